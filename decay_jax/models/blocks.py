@@ -1,0 +1,94 @@
+"""Transformer blocks with decayed identity shortcuts (paper eq.: ``x_{l+1} = alpha_l x_l + f(x_l)``).
+
+Both blocks are written for ``nn.scan``: ``__call__(carry, xs, ...) -> (carry, carry)`` where ``xs``
+holds this block's identity coefficients ``alpha = (alpha_attn, alpha_mlp)`` (a row of the schedule
+in ``decay_jax.schedules``; a constant, or a trainable parameter for the 'learnable' ablation).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from decay_jax import layers
+from decay_jax.layers import Dtype
+
+
+def decayed_update(x, alpha, branch, branch_scale: float):
+  """``alpha * x + branch_scale * f(x)`` with the sum in float32 (the residual stream's dtype)."""
+  if branch_scale != 1.0:
+    branch = branch_scale * branch
+  return alpha * x + branch.astype(x.dtype)
+
+
+class MAEBlock(nn.Module):
+  """Pre-norm ViT block of the official decayed MAE (official_facts.md 1.5).
+
+  ``x <- a_attn x + Attn(LN1(x)); x <- a_mlp x + MLP(LN2(x))`` with affine LN (eps 1e-6), qkv bias,
+  exact-erf GELU, and ``attn.proj`` / ``mlp.fc2`` weights zero-initialised. Input ``(N, T, C)``.
+  """
+  num_heads: int
+  mlp_ratio: float = 4.0
+  branch_scale: float = 1.0
+  dtype: Dtype = jnp.float32
+  attention_impl: Optional[str] = None
+
+  @nn.compact
+  def __call__(self, x, alpha):
+    c = x.shape[-1]
+    h = layers.layer_norm("norm1")(x)
+    h = layers.Attention(self.num_heads, self.dtype, proj_init=layers.zeros,
+                         implementation=self.attention_impl, name="attn")(h)
+    x = decayed_update(x, alpha[0], h, self.branch_scale)
+    h = layers.layer_norm("norm2")(x)
+    h = layers.Mlp(int(c * self.mlp_ratio), approximate_gelu=False, dtype=self.dtype,
+                   fc2_init=layers.zeros, name="mlp")(h)
+    x = decayed_update(x, alpha[1], h, self.branch_scale)
+    return x, x
+
+
+def modulate(x, shift, scale):
+  """adaLN modulation ``x (1 + scale) + shift``, broadcast over tokens. ``shift, scale: (N, C)``."""
+  return x * (1 + scale[:, None, :]) + shift[:, None, :]
+
+
+class SiTBlock(nn.Module):
+  """adaLN-Zero DiT/SiT block with decayed shortcuts and an optional long-skip input (4.5).
+
+  Decoder blocks first add ``skip(s)`` (a Linear of the mirrored encoder output, no decay), then
+  ``x <- s0 x + g_msa * Attn(mod(LN(x))); x <- s1 x + g_mlp * MLP(mod(LN(x)))`` with the adaLN
+  output of ``SiLU(c)`` chunked as (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp).
+  LN has no affine parameters; GELU is the tanh form; adaLN is zero-initialised.
+
+  ``xs`` is ``alpha`` for encoder blocks and ``(alpha, s)`` for decoder blocks; ``c`` is ``(N, C)``.
+  """
+  num_heads: int
+  mlp_ratio: float = 4.0
+  has_skip: bool = False
+  branch_scale: float = 1.0
+  dtype: Dtype = jnp.float32
+  attention_impl: Optional[str] = None
+
+  @nn.compact
+  def __call__(self, x, xs, c):
+    dim = x.shape[-1]
+    if self.has_skip:
+      alpha, s = xs
+      x = x + nn.Dense(dim, dtype=self.dtype, kernel_init=layers.xavier_uniform,
+                       bias_init=layers.zeros, name="skip")(s).astype(x.dtype)
+    else:
+      alpha = xs
+    mod = nn.Dense(6 * dim, dtype=self.dtype, kernel_init=layers.zeros, bias_init=layers.zeros,
+                   name="adaLN_modulation")(nn.silu(c)).astype(jnp.float32)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = jnp.split(mod, 6, axis=-1)
+    h = modulate(layers.layer_norm("norm1", affine=False)(x), shift_msa, scale_msa)
+    h = layers.Attention(self.num_heads, self.dtype, implementation=self.attention_impl,
+                         name="attn")(h)
+    x = decayed_update(x, alpha[0], gate_msa[:, None, :] * h, self.branch_scale)
+    h = modulate(layers.layer_norm("norm2", affine=False)(x), shift_mlp, scale_mlp)
+    h = layers.Mlp(int(dim * self.mlp_ratio), approximate_gelu=True, dtype=self.dtype,
+                   name="mlp")(h)
+    x = decayed_update(x, alpha[1], gate_mlp[:, None, :] * h, self.branch_scale)
+    return x, x

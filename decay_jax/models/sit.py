@@ -1,0 +1,172 @@
+"""SiT with decayed identity shortcuts and U-Net long skips (official_facts.md section 4).
+
+``depth`` blocks split into ``depth/2`` encoder and ``depth/2`` decoder blocks. The decay schedule
+runs over all ``2*depth`` sublayers, encoder then decoder, down to ``alpha_min`` (the official
+``min_sigma``) at the last decoder MLP. Decoder block ``j`` receives the output of encoder block
+``depth/2 - 1 - j`` through a Linear (``skip``), added without decay.
+
+Inputs: ``x (N, H, W, C)`` latents, ``t (N,)`` in [0, 1] (t = 0 noise, t = 1 data; unscaled),
+``y (N,)`` int labels (``num_classes`` is the null class). Output ``(N, H, W, C)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from decay_jax import layers, schedules
+from decay_jax.layers import Dtype
+from decay_jax.models import fields
+from decay_jax.models.blocks import SiTBlock, modulate
+
+
+def timestep_frequencies(t, dim: int = 256, max_period: float = 10000.0):
+  """``[cos(t f), sin(t f)]`` with ``f_j = exp(-ln(max_period) j / (dim/2))`` (4.6), ``(N, dim)``."""
+  half = dim // 2
+  freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
+  args = t.astype(jnp.float32)[:, None] * freqs[None]
+  return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+
+
+class TimestepEmbedder(nn.Module):
+  """Frequency features -> Linear -> SiLU -> Linear (weights normal std 0.02, biases 0)."""
+  dim: int
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, t):
+    h = nn.Dense(self.dim, dtype=self.dtype, kernel_init=layers.normal(0.02),
+                 bias_init=layers.zeros, name="mlp0")(timestep_frequencies(t))
+    return nn.Dense(self.dim, dtype=self.dtype, kernel_init=layers.normal(0.02),
+                    bias_init=layers.zeros, name="mlp2")(nn.silu(h))
+
+
+class SiT(nn.Module):
+  """The official decayed SiT (``SiT`` of SiT/models.py) with ``learn_sigma`` handling.
+
+  With ``learn_sigma`` the final Linear has ``2C`` outputs per pixel (the official parameter shape,
+  so checkpoints convert 1:1) and only the first ``C`` are returned, as the official forward does.
+  """
+  input_size: int = 32
+  patch_size: int = 2
+  in_channels: int = 4
+  dim: int = 1152
+  depth: int = 28
+  num_heads: int = 16
+  mlp_ratio: float = 4.0
+  num_classes: int = 1000
+  class_dropout_prob: float = 0.1
+  learn_sigma: bool = True
+  alpha_min: float = 0.8
+  schedule_convention: str = "sublayer"
+  schedule_shape: str = "linear"
+  shortcut_form: str = "decay"
+  dtype: Dtype = jnp.float32
+  attention_impl: Optional[str] = None
+  remat_policy: str = "none"
+
+  def __post_init__(self):
+    validate_sit_fields(self)
+    super().__post_init__()
+
+  @property
+  def out_channels(self) -> int:
+    return 2 * self.in_channels if self.learn_sigma else self.in_channels
+
+  @property
+  def grid(self) -> int:
+    return self.input_size // self.patch_size
+
+  @property
+  def shortcuts(self) -> schedules.Shortcuts:
+    return schedules.shortcuts(self.depth, self.alpha_min, self.schedule_convention,
+                               self.schedule_shape, self.shortcut_form)
+
+  def setup(self):
+    sc = self.shortcuts
+    half = self.depth // 2
+    self.x_embedder = layers.PatchEmbed(self.dim, self.patch_size, dtype=self.dtype)
+    self.t_embedder = TimestepEmbedder(self.dim, self.dtype)
+    self.y_embedder = nn.Embed(self.num_classes + int(self.class_dropout_prob > 0), self.dim,
+                               embedding_init=layers.normal(0.02))
+    if sc.learnable:
+      self.alpha = self.param("alpha", lambda _: jnp.asarray(sc.alphas, jnp.float32))
+    else:
+      self.alpha = jnp.asarray(sc.alphas, jnp.float32)
+    common = (self.num_heads, self.mlp_ratio)
+    self.enc_blocks = layers.scan_blocks(SiTBlock, half, (0, nn.broadcast), self.remat_policy)(
+        *common, False, sc.branch_scale, self.dtype, self.attention_impl)
+    self.dec_blocks = layers.scan_blocks(SiTBlock, half, (0, nn.broadcast), self.remat_policy)(
+        *common, True, sc.branch_scale, self.dtype, self.attention_impl)
+    self.final_adaLN = nn.Dense(2 * self.dim, dtype=self.dtype, kernel_init=layers.zeros,
+                                bias_init=layers.zeros)
+    self.norm_final = layers.layer_norm(affine=False)
+    self.final_linear = nn.Dense(self.patch_size ** 2 * self.out_channels, dtype=self.dtype,
+                                 kernel_init=layers.zeros, bias_init=layers.zeros)
+
+  def pos_embed(self) -> np.ndarray:
+    return layers.sincos_2d(self.dim, self.grid)
+
+  def embed_labels(self, y, train: bool, force_drop_ids=None):
+    """Label embedding with CFG dropout to the null class (training: prob ``class_dropout_prob``,
+    RNG stream 'label_drop'; ``force_drop_ids`` (N,) drops where it equals 1)."""
+    drop = None
+    if train and self.class_dropout_prob > 0:
+      drop = jax.random.uniform(self.make_rng("label_drop"), y.shape) < self.class_dropout_prob
+    if force_drop_ids is not None:
+      drop = force_drop_ids == 1
+    if drop is not None:
+      y = jnp.where(drop, self.num_classes, y)
+    return self.y_embedder(y)
+
+  def __call__(self, x, t, y, train: bool = False, force_drop_ids=None):
+    n, h, w, c = x.shape
+    tokens = self.x_embedder(x).astype(jnp.float32) + self.pos_embed()[None]
+    cond = (self.t_embedder(t).astype(jnp.float32)
+            + self.embed_labels(y, train, force_drop_ids).astype(jnp.float32))
+    half = self.depth // 2
+    tokens, enc_outs = self.enc_blocks(tokens, self.alpha[:half], cond)
+    tokens, _ = self.dec_blocks(tokens, (self.alpha[half:], enc_outs[::-1]), cond)
+    shift, scale = jnp.split(self.final_adaLN(nn.silu(cond)).astype(jnp.float32), 2, axis=-1)
+    out = self.final_linear(modulate(self.norm_final(tokens),
+                                     shift, scale)).astype(jnp.float32)
+    out = layers.unpatchify(out, self.patch_size, h, w, self.out_channels)
+    return out[..., :c]
+
+
+def validate_sit_fields(m) -> None:
+  """One-line errors for bad model fields, raised at construction (before any compilation)."""
+  fields.check_positive_ints(m, ("input_size", "patch_size", "in_channels", "dim", "depth",
+                                 "num_heads", "num_classes"))
+  if m.depth % 2:
+    raise ValueError(f"depth={m.depth} is not allowed; SiT splits it into encoder and decoder "
+                     "halves, so it must be even")
+  if m.input_size % m.patch_size:
+    raise ValueError(f"input_size={m.input_size} is not allowed; it must be a multiple of "
+                     f"patch_size={m.patch_size}")
+  if m.dim % m.num_heads or m.dim % 4:
+    raise ValueError(f"dim={m.dim} must be divisible by num_heads={m.num_heads} and by 4")
+  if not 0.0 <= m.class_dropout_prob < 1.0:
+    raise ValueError(f"class_dropout_prob={m.class_dropout_prob!r} must be in [0, 1)")
+  fields.check_common(m)
+
+
+SIT_SIZES = {
+    "XL": dict(depth=28, dim=1152, num_heads=16),
+    "L": dict(depth=24, dim=1024, num_heads=16),
+    "B": dict(depth=12, dim=768, num_heads=12),
+    "S": dict(depth=12, dim=384, num_heads=6),
+    "micro": dict(depth=4, dim=32, num_heads=2),
+}
+SIT_PRESETS = {f"{size}/{p}": dict(patch_size=p, **cfg)
+               for size, cfg in SIT_SIZES.items() for p in (2, 4, 8)}
+
+
+def sit(preset: str, **overrides) -> SiT:
+  """A ``SiT`` from a preset name such as 'XL/2', 'B/4' or 'micro/2', with field overrides."""
+  return fields.from_preset(SiT, SIT_PRESETS, preset, overrides)
