@@ -60,3 +60,52 @@ def load_params(directory: str) -> Tuple[Any, Any]:
   with ocp.StandardCheckpointer() as ckptr:
     params = ckptr.restore(os.path.join(directory, "params"))
   return model, jax.tree_util.tree_map(jnp.asarray, params)
+
+
+# ------------------------------------------------------------------------------------------------
+# Training checkpoints: the whole train state plus a JSON record, managed by orbax.
+# ------------------------------------------------------------------------------------------------
+
+
+class RunCheckpoints:
+  """Checkpoints of a training run under ``workdir/checkpoints``.
+
+  Each step directory holds ``state`` (params, optimiser state, step, rng key data; restored onto
+  whatever mesh the caller gives) and ``meta`` (JSON: step, examples seen, config). Keeps the last
+  ``keep`` plus every ``keep_every_steps``-th. Saves are asynchronous: training continues while the
+  files are written; orbax commits a step atomically, so a crash never leaves a half-written
+  checkpoint behind as the latest one.
+  """
+
+  def __init__(self, workdir: str, keep: int = 3, keep_every_steps: int = 0,
+               async_save: bool = True):
+    policies = [ocp.checkpoint_managers.LatestN(keep)]
+    if keep_every_steps > 0:
+      policies.append(ocp.checkpoint_managers.EveryNSteps(keep_every_steps))
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
+        enable_async_checkpointing=async_save, create=True)
+    self.manager = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
+                                         options=options, item_names=("state", "meta"))
+
+  def latest_step(self):
+    return self.manager.latest_step()
+
+  def save(self, step: int, state: Any, meta: dict) -> None:
+    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                    meta=ocp.args.JsonSave(meta)), force=True)
+
+  def restore(self, step: int, abstract_state: Any, shardings: Any) -> Tuple[Any, dict]:
+    """Restores ``step`` with each array placed by ``shardings`` (any device count)."""
+    target = jax.tree_util.tree_map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
+    out = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+    return out["state"], out["meta"]
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()

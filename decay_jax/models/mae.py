@@ -217,13 +217,15 @@ class MaskedAutoencoder(nn.Module):
     """Training forward. ``noise (N, L)`` fixes the masking; otherwise the 'masking' RNG is used.
 
     Returns a dict: ``loss`` (scalar), ``pred (N, L, p*p*C)``, ``mask (N, L)``, ``latent``
-    (final block on the visible tokens, ``(N, 1+K, D)``), ``decoder_norms (decoder_depth,)``.
+    (final block on the visible tokens, ``(N, 1+K, D)``), and the mean token L2 norms of every
+    block's output, ``encoder_norms (depth,)`` and ``decoder_norms (decoder_depth,)``.
     """
     if noise is None:
       noise = jax.random.uniform(self.make_rng("masking"), (imgs.shape[0], self.num_patches))
     block_outs, mask, ids_restore = self.forward_encoder(imgs, noise)
     pred, dec_norms = self.forward_decoder(block_outs, ids_restore)
     return dict(loss=self.loss(imgs, pred, mask), pred=pred, mask=mask, latent=block_outs[-1],
+                encoder_norms=jnp.linalg.norm(block_outs, axis=-1).mean(axis=(1, 2)),
                 decoder_norms=dec_norms)
 
   def features(self, imgs):
@@ -255,8 +257,8 @@ def validate_mae_fields(m) -> None:
 
 
 # Presets: (patch, dim, depth, heads, decoder dim, decoder depth, decoder heads). The official three
-# plus CPU sizes: 'tiny' is the small-scale-study model (12x192, decoder 8x128, patch 4), 'micro' is
-# for tests.
+# plus CPU sizes: 'tiny' is the small-scale-study model (12x192, decoder 8x128, patch 4), 'mnist'
+# the model of the README's main command (embedded 28x28 digits), 'micro' is for tests.
 MAE_PRESETS = {
     "B/16": dict(patch_size=16, dim=768, depth=12, num_heads=12, decoder_dim=512, decoder_depth=8,
                  decoder_num_heads=16),
@@ -266,6 +268,8 @@ MAE_PRESETS = {
                  decoder_num_heads=16),
     "tiny/4": dict(img_size=32, patch_size=4, dim=192, depth=12, num_heads=3, decoder_dim=128,
                    decoder_depth=8, decoder_num_heads=4),
+    "mnist/4": dict(img_size=28, patch_size=4, dim=128, depth=6, num_heads=4, decoder_dim=64,
+                    decoder_depth=4, decoder_num_heads=4),
     "micro/4": dict(img_size=16, patch_size=4, dim=32, depth=4, num_heads=2, decoder_dim=16,
                     decoder_depth=3, decoder_num_heads=2),
 }

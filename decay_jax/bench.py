@@ -1,0 +1,191 @@
+"""Benchmark the train step of a config: compile seconds, images/s, model TFLOP/s, MFU, memory.
+
+    python -m decay_jax.bench --config=configs/mae_vit_b16.py --batch_per_device=64 --steps=20
+    python -m decay_jax.bench --config=configs/mae_vit_h14.py --compile_only --fake_devices=8
+    python -m decay_jax.bench --config=configs/mae_cpu_mnist.py --torch   # + PyTorch reference
+
+Inputs are synthetic (the model's shape, standard normal), so no dataset is needed. With
+``--compile_only`` nothing is allocated: the step is lowered and compiled on abstract inputs
+(``jit(...).lower(...).compile()``) and XLA's memory analysis is printed. ``--fake_devices=N``
+makes N CPU devices (set before JAX starts) to size pods on a laptop. ``--torch`` times the
+PyTorch reference of the tests (fp32, same batch, AdamW) on the same machine and prints the ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _early_fake_devices(argv) -> None:
+  """``--fake_devices`` must reach XLA before JAX is imported."""
+  for a in argv:
+    if a.startswith("--fake_devices="):
+      n = int(a.split("=", 1)[1])
+      if n > 0:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={n}")
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+_early_fake_devices(sys.argv)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from decay_jax import flops  # noqa: E402
+from decay_jax import sharding as shd  # noqa: E402
+from decay_jax.train import config as config_lib  # noqa: E402
+from decay_jax.train import optim, step as step_lib, tasks  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_BATCH = flags.DEFINE_integer("batch_per_device", 0, "Per-device batch (0: the config's batch).")
+_STEPS = flags.DEFINE_integer("steps", 10, "Timed steps (after one warm-up step).")
+_COMPILE_ONLY = flags.DEFINE_bool("compile_only", False, "Only lower + compile on abstract inputs.")
+flags.DEFINE_integer("fake_devices", 0, "Number of fake CPU devices (read before JAX starts).")
+_CHANNELS = flags.DEFINE_integer("channels", 0, "Input channels (0: 3 for MAE, 4 for SiT).")
+_TORCH = flags.DEFINE_bool("torch", False, "Also time the PyTorch reference (CPU, fp32).")
+_OUT = flags.DEFINE_string("out", None, "Append the result as one JSON line to this file.")
+
+
+def build(config, batch: int):
+  channels = _CHANNELS.value or (3 if config.task == "mae" else 4)
+  info = {"image_size": config.data.image_size, "channels": channels, "num_train": batch * 1000}
+  model = config_lib.build_model(config, info)
+  task = (tasks.MAETask if config.task == "mae" else tasks.SiTTask)(model)
+  tx, schedule = optim.make_optimizer(config.optim, batch, 1000, 10)
+  return model, task, tx, schedule
+
+
+def abstract_batch(model, config, batch: int, mesh):
+  s = shd.batch_sharding(mesh)
+  if config.task == "mae":
+    shape = (batch, model.img_size, model.img_size, model.in_chans)
+  else:
+    shape = (batch, model.input_size, model.input_size, model.in_channels)
+  return {"image": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s),
+          "label": jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=s)}
+
+
+def memory_report(compiled) -> dict:
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # some backends do not implement it
+    return {}
+  if m is None:
+    return {}
+  gib = lambda b: round(b / 2 ** 30, 3)
+  return {"argument_gib": gib(m.argument_size_in_bytes), "output_gib": gib(m.output_size_in_bytes),
+          "temp_gib": gib(m.temp_size_in_bytes),
+          "peak_estimate_gib": gib(m.argument_size_in_bytes + m.output_size_in_bytes
+                                   + m.temp_size_in_bytes - m.alias_size_in_bytes)}
+
+
+def torch_reference_seconds(config, model, batch: int, steps: int) -> float:
+  """Seconds per train step of the PyTorch reference (tests/torch_reference.py) on CPU."""
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tests"))
+  import torch
+  import torch_reference as ref
+
+  torch.manual_seed(0)
+  if config.task == "mae":
+    tm = ref.MaskedAutoencoderViT(
+        img_size=model.img_size, patch_size=model.patch_size, in_chans=model.in_chans,
+        embed_dim=model.dim, depth=model.depth, num_heads=model.num_heads,
+        decoder_embed_dim=model.decoder_dim, decoder_depth=model.decoder_depth,
+        decoder_num_heads=model.decoder_num_heads, norm_pix_loss=model.norm_pix_loss,
+        min_decay=model.alpha_min)
+    x = torch.randn(batch, model.in_chans, model.img_size, model.img_size)
+    loss_fn = lambda: tm(x, model.mask_ratio, torch.rand(batch, model.num_patches))[0]
+  else:
+    tm = ref.SiT(input_size=model.input_size, patch_size=model.patch_size,
+                 in_channels=model.in_channels, hidden_size=model.dim, depth=model.depth,
+                 num_heads=model.num_heads, num_classes=model.num_classes,
+                 learn_sigma=model.learn_sigma, min_sigma=model.alpha_min)
+    x = torch.randn(batch, model.in_channels, model.input_size, model.input_size)
+    y = torch.randint(0, model.num_classes, (batch,))
+    loss_fn = lambda: ((tm(x, torch.rand(batch), y) - x) ** 2).mean()
+  tm.train()
+  opt = torch.optim.AdamW([p for p in tm.parameters() if p.requires_grad], lr=1e-4)
+
+  def one():
+    opt.zero_grad(set_to_none=True)
+    loss_fn().backward()
+    opt.step()
+
+  one()
+  t = time.perf_counter()
+  for _ in range(steps):
+    one()
+  return (time.perf_counter() - t) / steps
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  config_lib.validate(config)
+  mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp)
+  batch = _BATCH.value * mesh.size if _BATCH.value else config.batch_size
+  shd.check_batch(batch, mesh, config.accum_steps)
+  model, task, tx, schedule = build(config, batch)
+  abstract = step_lib.abstract_state(task, tx, config.seed)
+  shardings = step_lib.state_shardings(abstract, tx, mesh)
+  train_step = step_lib.jit_train_step(
+      step_lib.make_train_step(task, tx, schedule, config.accum_steps), shardings, mesh)
+  a_state = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                   abstract, shardings)
+  a_batch = abstract_batch(model, config, batch, mesh)
+  t0 = time.perf_counter()
+  lowered = train_step.lower(a_state, a_batch)
+  t1 = time.perf_counter()
+  compiled = lowered.compile()
+  t2 = time.perf_counter()
+  n_params = sum(int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(abstract["params"]))
+  flops_step = task.train_flops_per_example() * batch
+  res = {"config": os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"])),
+         "preset": config.model.preset,
+         "alpha_min": model.alpha_min, "dtype": config.model.dtype, "remat": config.model.remat_policy,
+         "devices": mesh.size, "device_kind": jax.devices()[0].device_kind,
+         "mesh": dict(mesh.shape), "global_batch": batch, "accum_steps": config.accum_steps,
+         "params": n_params, "model_gflops_per_example": task.train_flops_per_example() / 1e9,
+         "lower_seconds": round(t1 - t0, 2), "compile_seconds": round(t2 - t1, 2),
+         **memory_report(compiled)}
+  if not _COMPILE_ONLY.value:
+    rng = np.random.default_rng(0)
+    local = {"image": rng.standard_normal(a_batch["image"].shape, np.float32),
+             "label": rng.integers(0, 10, batch).astype(np.int32)}
+    data = shd.global_batch_from_local(local, mesh)
+    state = jax.jit(lambda: step_lib.init_state(task, tx, config.seed), out_shardings=shardings)()
+    state, m = compiled(state, data)
+    jax.block_until_ready(m)
+    t = time.perf_counter()
+    for _ in range(_STEPS.value):
+      state, m = compiled(state, data)
+    jax.block_until_ready(m)
+    sec = (time.perf_counter() - t) / _STEPS.value
+    peak = flops.peak_flops_per_device(config.get("peak_tflops_per_device", 0.0))
+    res.update(step_seconds=round(sec, 5), images_per_sec=round(batch / sec, 1),
+               images_per_sec_per_device=round(batch / sec / mesh.size, 1),
+               model_tflops_per_sec_per_device=round(flops_step / sec / mesh.size / 1e12, 4))
+    if peak:
+      res["mfu"] = round(flops_step / sec / mesh.size / peak, 4)
+    if _TORCH.value:
+      tsec = torch_reference_seconds(config, model, batch, _STEPS.value)
+      res.update(torch_step_seconds=round(tsec, 5), torch_images_per_sec=round(batch / tsec, 1),
+                 speedup_vs_torch=round(tsec / sec, 3))
+  for k, v in res.items():
+    print(f"{k:>32}: {v}")
+  if _OUT.value:
+    with open(_OUT.value, "a") as f:
+      f.write(json.dumps(res) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config"])
+  app.run(main)

@@ -1,0 +1,76 @@
+"""Device mesh and sharding rules: one code path from 1 CPU to a multi-host pod.
+
+The mesh has two axes, ``data`` and ``fsdp``. The batch is split over both (every device gets a
+different slice of examples). Parameters and optimiser state are replicated over ``data`` and, when
+``fsdp > 1``, split over ``fsdp`` (ZeRO-3 style): each tensor large enough is cut along its largest
+dimension divisible by the ``fsdp`` size; XLA inserts the all-gathers and reduce-scatters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+BATCH_AXES = ("data", "fsdp")
+FSDP_MIN_SIZE = 2 ** 14  # smaller tensors stay replicated: sharding them costs more than it saves
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:
+  """A ``(data, fsdp)`` mesh over all devices (``data=-1``: whatever ``fsdp`` leaves)."""
+  devices = jax.devices() if devices is None else devices
+  n = len(devices)
+  if fsdp < 1 or n % fsdp:
+    raise ValueError(f"mesh.fsdp={fsdp} is not allowed; it must divide the device count {n}")
+  if data == -1:
+    data = n // fsdp
+  if data * fsdp != n:
+    raise ValueError(f"mesh.data={data} x mesh.fsdp={fsdp} must equal the device count {n}")
+  return Mesh(np.asarray(devices).reshape(data, fsdp), ("data", "fsdp"))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Leading (example) axis split over all devices."""
+  return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def fsdp_spec(shape, fsdp_size: int, min_size: int = FSDP_MIN_SIZE) -> P:
+  """Partition spec of one parameter: its largest dimension divisible by ``fsdp_size``."""
+  if fsdp_size == 1 or int(np.prod(shape)) < min_size:
+    return P()
+  for axis in sorted(range(len(shape)), key=lambda a: -shape[a]):
+    if shape[axis] % fsdp_size == 0:
+      spec = [None] * len(shape)
+      spec[axis] = "fsdp"
+      return P(*spec)
+  return P()
+
+
+def param_shardings(abstract: Any, mesh: Mesh) -> Any:
+  """NamedShardings for a tree of (abstract) arrays under the FSDP rule."""
+  size = mesh.shape["fsdp"]
+  return jax.tree_util.tree_map(lambda a: NamedSharding(mesh, fsdp_spec(a.shape, size)), abstract)
+
+
+def check_batch(global_batch: int, mesh: Mesh, accum_steps: int = 1) -> None:
+  """One-line errors for batches the mesh cannot split evenly."""
+  n = mesh.size
+  if global_batch % (n * accum_steps):
+    raise ValueError(f"batch_size={global_batch} is not allowed; it must be divisible by the "
+                     f"device count {n} x accum_steps {accum_steps} = {n * accum_steps}")
+  if global_batch % jax.process_count():
+    raise ValueError(f"batch_size={global_batch} must be divisible by the process count "
+                     f"{jax.process_count()}")
+
+
+def global_batch_from_local(local: Any, mesh: Mesh) -> Any:
+  """Per-process numpy batch -> global ``jax.Array`` split over the batch axes."""
+  sharding = batch_sharding(mesh)
+  return jax.tree_util.tree_map(
+      lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), local)

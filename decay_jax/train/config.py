@@ -1,0 +1,152 @@
+"""Default training configs (ml_collections) and their validation.
+
+Config files in ``configs/`` start from ``mae_config()`` or ``sit_config()`` and override fields;
+every field can be overridden on the command line (``--config.model.alpha_min=0.7``). The configs
+are locked, so a misspelt override fails at once. ``validate`` turns every bad value into a
+one-line ``ValueError`` naming the field, before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_collections as mlc
+
+from decay_jax import layers, schedules
+from decay_jax.data import pipeline
+from decay_jax.models import fields, mae as mae_lib, sit as sit_lib
+
+TASKS = ("mae", "sit")
+
+
+def _common(task: str) -> mlc.ConfigDict:
+  c = mlc.ConfigDict()
+  c.task = task
+  c.seed = 0
+  c.data = pipeline.default_data_config()
+  c.batch_size = 256  # effective (global) batch per optimiser step
+  c.accum_steps = 1  # microbatches per step (the batch is split inside the jitted step)
+  c.num_epochs = 1.0
+  c.num_train_steps = -1  # > 0 overrides num_epochs
+  c.warmup_epochs = 0.0
+  c.mesh = mlc.ConfigDict(dict(data=-1, fsdp=1))
+  c.checkpoint = mlc.ConfigDict(dict(every_steps=1000, keep=3, keep_every_steps=0,
+                                     async_save=True))
+  c.log_every_steps = 50
+  c.picture_every_steps = 1000
+  c.evals = mlc.ConfigDict()
+  return c
+
+
+def _model_fields() -> mlc.ConfigDict:
+  """Decay and precision fields common to both models (architecture comes from the preset)."""
+  return mlc.ConfigDict(dict(alpha_min=1.0, schedule_convention="sublayer", schedule_shape="linear",
+                             shortcut_form="decay", dtype="float32",
+                             attention_impl=mlc.FieldReference(None, field_type=str),
+                             remat_policy="none"))
+
+
+def mae_config() -> mlc.ConfigDict:
+  """MAE pretraining defaults: the official recipe (official_facts.md 2) at ViT-B/16."""
+  c = _common("mae")
+  c.model = _model_fields()
+  c.model.preset = "B/16"
+  c.model.alpha_min = 0.7
+  c.model.norm_pix_loss = True
+  c.model.mask_ratio = 0.75
+  c.data.dataset = "imagenet2012"
+  c.data.image_size = 224
+  c.data.normalize = "imagenet"
+  c.data.eval_split = "validation"
+  c.batch_size = 4096
+  c.num_epochs = 800.0
+  c.warmup_epochs = 40.0
+  c.optim = mlc.ConfigDict(dict(base_lr=1.5e-4, lr=mlc.FieldReference(None, field_type=float),
+                                schedule="warmup_cosine", b1=0.9, b2=0.95, eps=1e-8,
+                                weight_decay=0.05, min_lr=0.0, grad_clip_norm=0.0))
+  c.evals.knn = mlc.ConfigDict(dict(every_steps=0, k=20, temperature=0.07, pool="mean",
+                                    layernorm=False, train_split="train", eval_split="validation",
+                                    max_train_examples=100_000, max_eval_examples=0,
+                                    batch_size=256))
+  return c
+
+
+def sit_config() -> mlc.ConfigDict:
+  """SiT training defaults: the official recipe (official_facts.md 5.2) at SiT-XL/2."""
+  c = _common("sit")
+  c.model = _model_fields()
+  c.model.preset = "XL/2"
+  c.model.alpha_min = 0.8
+  c.model.num_classes = 1000
+  c.model.class_dropout_prob = 0.1
+  c.model.learn_sigma = True
+  c.data.dataset = "imagenet2012"
+  c.data.image_size = 32
+  c.data.normalize = "none"
+  c.data.eval_split = "validation"
+  c.data.crop_scale = (1.0, 1.0)  # latents: ADM centre crop + flip happen at extraction time
+  c.data.crop_ratio = (1.0, 1.0)
+  c.batch_size = 256
+  c.num_train_steps = 400_000
+  c.optim = mlc.ConfigDict(dict(base_lr=0.0, lr=1e-4, schedule="constant", b1=0.9, b2=0.999,
+                                eps=1e-8, weight_decay=0.0, min_lr=0.0, grad_clip_norm=0.0))
+  return c
+
+
+def build_model(config, info: dict):
+  """The Flax model of a config; image size and channels come from the data."""
+  m = config.model.to_dict()
+  preset = m.pop("preset")
+  m["attention_impl"] = m["attention_impl"] or None
+  if config.task == "mae":
+    m.update(img_size=info["image_size"], in_chans=info["channels"])
+    return mae_lib.mae(preset, **m)
+  m.update(input_size=info["image_size"], in_channels=info["channels"])
+  return sit_lib.sit(preset, **m)
+
+
+def steps_for(config, num_train: int):
+  """``(total optimiser steps, warmup steps)`` from epochs or ``num_train_steps``."""
+  if config.num_train_steps <= 0 and not num_train:
+    raise ValueError(f"data.dataset={config.data.dataset!r} reports no training-set size; set "
+                     "num_train_steps > 0 instead of num_epochs")
+  steps_per_epoch = (num_train or 0) / config.batch_size
+  total = (config.num_train_steps if config.num_train_steps > 0
+           else max(1, int(round(config.num_epochs * steps_per_epoch))))
+  warmup = int(round(config.warmup_epochs * steps_per_epoch))
+  return total, min(warmup, total)
+
+
+def validate(config) -> None:
+  """One-line errors for bad configs (the model validates its own fields when built)."""
+  schedules.check_choice("task", config.task, TASKS)
+  for name in ("batch_size", "accum_steps", "log_every_steps"):
+    v = config[name]
+    if not (isinstance(v, int) and v >= 1):
+      raise ValueError(f"{name}={v!r} is not allowed; it must be an integer >= 1")
+  if config.batch_size % config.accum_steps:
+    raise ValueError(f"batch_size={config.batch_size} is not allowed; it must be divisible by "
+                     f"accum_steps={config.accum_steps}")
+  if config.num_train_steps <= 0 and not config.num_epochs > 0:
+    raise ValueError(f"num_epochs={config.num_epochs!r} is not allowed; it must be > 0 "
+                     "(or set num_train_steps > 0)")
+  schedules.check_alpha_min(config.model.alpha_min, "model.alpha_min")
+  schedules.check_choice("model.dtype", config.model.dtype, fields.COMPUTE_DTYPES)
+  schedules.check_choice("model.attention_impl", config.model.attention_impl or None,
+                         layers.ATTENTION_IMPLS)
+  if config.task == "mae":
+    if not 0.0 < config.model.mask_ratio < 1.0:
+      raise ValueError(f"model.mask_ratio={config.model.mask_ratio!r} is not allowed; it must be "
+                       "in (0, 1)")
+    schedules.check_choice("model.preset", config.model.preset, tuple(mae_lib.MAE_PRESETS))
+  else:
+    schedules.check_choice("model.preset", config.model.preset, tuple(sit_lib.SIT_PRESETS))
+  patch = int(config.model.preset.split("/")[1])
+  if config.data.image_size % patch:
+    raise ValueError(f"data.image_size={config.data.image_size} is not allowed; it must be a "
+                     f"multiple of the patch size {patch} of model.preset={config.model.preset!r}")
+  schedules.check_choice("optim.schedule", config.optim.schedule, ("warmup_cosine", "constant"))
+  if not (config.optim.get("lr") or config.optim.base_lr > 0):
+    raise ValueError("optim.lr or optim.base_lr must be > 0")
+  if not math.isfinite(config.optim.weight_decay) or config.optim.weight_decay < 0:
+    raise ValueError(f"optim.weight_decay={config.optim.weight_decay!r} must be >= 0")

@@ -1,0 +1,100 @@
+"""The jitted training step and the sharded creation of the train state.
+
+Train state (a plain dict, checkpointed as is): ``params``, ``opt_state``, ``step`` (int32) and
+``rng`` (raw key data). The RNG of step ``s`` is ``fold_in(rng, s)``, so a resumed run draws the
+same masks and noise as an uninterrupted one. Gradient accumulation runs inside the step as a
+``lax.scan`` over microbatches: one call consumes the whole effective batch, and memory holds the
+activations of one microbatch only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from decay_jax import sharding as shd
+
+
+def abstract_state(task, tx, seed: int):
+  """Shapes and dtypes of the train state, without allocating it."""
+  return jax.eval_shape(lambda: init_state(task, tx, seed))
+
+
+def init_state(task, tx, seed: int) -> Dict[str, Any]:
+  rng = jax.random.key(seed)
+  params = task.model.init(jax.random.fold_in(rng, 0), *task.init_inputs(1))["params"]
+  return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+          "rng": jax.random.key_data(jax.random.fold_in(rng, 1))}
+
+
+def state_shardings(abstract, tx, mesh):
+  """FSDP shardings for params and the parameter-shaped parts of the optimiser state."""
+  params = shd.param_shardings(abstract["params"], mesh)
+  repl = shd.replicated(mesh)
+  opt = optax.tree_map_params(tx, lambda _, s: s, abstract["opt_state"], params,
+                              transform_non_params=lambda _: repl)
+  return {"params": params, "opt_state": opt, "step": repl, "rng": repl}
+
+
+def create_state(task, tx, seed: int, mesh):
+  """The train state, born sharded: shape-first init, then ``jit(init, out_shardings=...)``."""
+  abstract = abstract_state(task, tx, seed)
+  shardings = state_shardings(abstract, tx, mesh)
+  return jax.jit(lambda: init_state(task, tx, seed), out_shardings=shardings)(), shardings
+
+
+def _split_microbatches(batch, accum: int):
+  """``(B, ...) -> (accum, B/accum, ...)`` interleaved, so each device keeps an equal share of every
+  microbatch (a contiguous split would put whole microbatches on a few devices)."""
+  def split(x):
+    x = x.reshape((x.shape[0] // accum, accum) + x.shape[1:])
+    return jnp.swapaxes(x, 0, 1)
+  return jax.tree_util.tree_map(split, batch)
+
+
+def make_train_step(task, tx, schedule: Callable, accum_steps: int = 1):
+  """``step(state, batch) -> (state, metrics)``; metrics are float32 scalars (means over the batch)."""
+
+  def grads_of(params, batch, rng):
+    (loss, metrics), grads = jax.value_and_grad(task.loss, has_aux=True)(params, batch, rng)
+    return grads, metrics
+
+  def step(state, batch):
+    params = state["params"]
+    rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+    if accum_steps == 1:
+      grads, metrics = grads_of(params, batch, rng)
+    else:
+      micro = _split_microbatches(batch, accum_steps)
+
+      def body(carry, xs):
+        i, mb = xs
+        g, m = grads_of(params, mb, jax.random.fold_in(rng, i))
+        return jax.tree_util.tree_map(jnp.add, carry, (g, m)), None
+
+      zeros = jax.eval_shape(grads_of, params, jax.tree_util.tree_map(lambda x: x[0], micro), rng)
+      zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
+      (grads, metrics), _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), micro))
+      grads, metrics = jax.tree_util.tree_map(lambda x: x / accum_steps, (grads, metrics))
+    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    new_params = optax.apply_updates(params, updates)
+    metrics = dict(metrics)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["param_norm"] = optax.global_norm(new_params)
+    metrics["update_norm"] = optax.global_norm(updates)
+    metrics["lr"] = schedule(state["step"])
+    new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1,
+                 "rng": state["rng"]}
+    return new_state, jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), metrics)
+
+  return step
+
+
+def jit_train_step(step_fn, shardings, mesh):
+  """Jit with the state donated and its sharding pinned; the batch arrives split over devices."""
+  return jax.jit(step_fn, in_shardings=(shardings, shd.batch_sharding(mesh)),
+                 out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=(0,))

@@ -1,0 +1,222 @@
+"""One training loop for MAE and SiT: ``train_and_evaluate(config, workdir)``.
+
+The loop is the same from one CPU to a multi-host pod: a ``(data, fsdp)`` mesh, parameters born
+sharded, per-host input shards assembled into global arrays, one jitted step. MAE and SiT differ
+only by their task object (``decay_jax.train.tasks``). Resuming is automatic: if ``workdir`` holds a
+checkpoint, training continues from it, with the same masks, noise and data order as an
+uninterrupted run (in-memory datasets) because every random draw is keyed by the step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Any, Dict
+
+import jax
+import numpy as np
+from absl import logging
+from clu import metric_writers, periodic_actions
+from PIL import Image
+
+from decay_jax import checkpoint as ckpt_lib
+from decay_jax import flops
+from decay_jax import sharding as shd
+from decay_jax.data import pipeline
+from decay_jax.evals import runner as eval_runner
+from decay_jax.train import config as config_lib
+from decay_jax.train import optim, step as step_lib, tasks
+
+
+class NonFiniteLossError(FloatingPointError):
+  """Training produced a NaN/Inf loss or gradient; the last good checkpoint is kept."""
+
+
+def make_task(config, model, info):
+  mean, std = pipeline.normalization(config.data, info["channels"])
+  cls = tasks.MAETask if config.task == "mae" else tasks.SiTTask
+  return cls(model, mean=mean, std=std)
+
+
+class _Preemption:
+  """SIGTERM sets a flag; the loop saves a checkpoint at the next step boundary and stops.
+
+  With several processes, JAX's preemption sync point makes all hosts stop at the same step.
+  """
+
+  def __init__(self):
+    self.flag = False
+    self._previous = None
+    if jax.process_count() == 1:
+      try:
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+      except ValueError:  # not the main thread (e.g. some test runners): no handler
+        self._previous = None
+
+  def _handle(self, signum, frame):
+    logging.warning("SIGTERM received: saving a checkpoint at the next step boundary")
+    self.flag = True
+
+  def reached(self, step: int) -> bool:
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      return self.flag or multihost_utils.reached_preemption_sync_point(step)
+    return self.flag
+
+  def restore(self):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+
+def _save_picture(workdir: str, step: int, picture: np.ndarray, writer) -> str:
+  path = os.path.join(workdir, "pictures", f"step_{step:07d}.png")
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  Image.fromarray(picture).save(path)
+  writer.write_images(step, {"reconstruction": picture[None]})
+  return path
+
+
+def _check_finite(history, step: int, ckpts) -> None:
+  """Raises if any logged loss or gradient norm since the last check is not finite."""
+  for i, m in history:
+    if not (np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])):
+      ckpts.wait()
+      last = ckpts.latest_step()
+      raise NonFiniteLossError(
+          f"non-finite loss/gradient at step {i} (loss={m['loss']}, grad_norm={m['grad_norm']}); "
+          f"stopping. The last good checkpoint is step {last} in the workdir's checkpoints/; "
+          "lower the learning rate or use float32 and resume from it.")
+
+
+def check_config(config):
+  """Every check that needs no compilation; raises a one-line ValueError. Returns the pieces."""
+  config_lib.validate(config)
+  info = pipeline.dataset_info(config.data)
+  model = config_lib.build_model(config, info)
+  mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp)
+  shd.check_batch(config.batch_size, mesh, config.accum_steps)
+  return info, model, mesh
+
+
+def train_and_evaluate(config, workdir: str) -> Dict[str, Any]:
+  """Trains (or resumes) the configured model in ``workdir``; returns the final metrics."""
+  # ---------------------------------------------------------------------------------------------
+  # Validate everything before compiling anything.
+  # ---------------------------------------------------------------------------------------------
+  info, model, mesh = check_config(config)
+  task = make_task(config, model, info)
+  total_steps, warmup_steps = config_lib.steps_for(config, info["num_train"])
+  evaluators = eval_runner.from_config(config, task, mesh)
+  workdir = os.path.abspath(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  is_main = jax.process_index() == 0
+  if is_main:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=1))
+
+  writer = metric_writers.create_default_writer(workdir, just_logging=not is_main)
+  logging.info("devices: %d (%s), processes: %d, mesh %s", jax.device_count(),
+               jax.devices()[0].device_kind, jax.process_count(), dict(mesh.shape))
+  logging.info("model: %s, alpha_min=%s, alpha_eff=%.4g; %d steps (%d warmup), batch %d",
+               type(model).__name__, model.alpha_min, model.shortcuts.alpha_eff, total_steps,
+               warmup_steps, config.batch_size)
+
+  # ---------------------------------------------------------------------------------------------
+  # Optimiser, train state (born sharded), checkpoints.
+  # ---------------------------------------------------------------------------------------------
+  tx, schedule = optim.make_optimizer(config.optim, config.batch_size, total_steps, warmup_steps)
+  abstract = step_lib.abstract_state(task, tx, config.seed)
+  shardings = step_lib.state_shardings(abstract, tx, mesh)
+  ckpts = ckpt_lib.RunCheckpoints(workdir, config.checkpoint.keep,
+                                  config.checkpoint.keep_every_steps, config.checkpoint.async_save)
+  start = ckpts.latest_step()
+  if start is not None:
+    state, meta = ckpts.restore(start, abstract, shardings)
+    logging.info("resumed from step %d (%d examples seen)", start, meta["examples_seen"])
+  else:
+    start = 0
+    state = jax.jit(lambda: step_lib.init_state(task, tx, config.seed), out_shardings=shardings)()
+
+  # ---------------------------------------------------------------------------------------------
+  # Input and the compiled step.
+  # ---------------------------------------------------------------------------------------------
+  batches = pipeline.make_train_iterator(config.data, config.batch_size, config.seed,
+                                         start_step=start, process_index=jax.process_index(),
+                                         process_count=jax.process_count())
+  train_step = step_lib.jit_train_step(
+      step_lib.make_train_step(task, tx, schedule, config.accum_steps), shardings, mesh)
+  t0 = time.perf_counter()
+  first = shd.global_batch_from_local(next(batches), mesh)
+  compiled = train_step.lower(state, first).compile()
+  compile_seconds = time.perf_counter() - t0
+  logging.info("train step compiled in %.1f s", compile_seconds)
+
+  # ---------------------------------------------------------------------------------------------
+  # Train loop.
+  # ---------------------------------------------------------------------------------------------
+  flops_per_step = task.train_flops_per_example() * config.batch_size
+  peak = flops.peak_flops_per_device(config.get("peak_tflops_per_device", 0.0))
+  report = periodic_actions.ReportProgress(num_train_steps=total_steps, writer=writer)
+  preemption = _Preemption()
+  fixed_pictures = evaluators.picture_batch()
+  history, results, preempted = [], {"compile_seconds": compile_seconds}, False
+  window_start, window_steps = time.perf_counter(), 0
+  step, batch = start, first
+  try:
+    while step < total_steps:
+      with jax.profiler.StepTraceAnnotation("train", step_num=step):
+        state, metrics = compiled(state, batch)
+      step += 1
+      window_steps += 1
+      history.append((step, metrics))
+      report(step)
+      last = step == total_steps
+      preempted = preemption.reached(step) and not last
+      if step % config.log_every_steps == 0 or last or preempted:
+        fetched = [(i, jax.device_get(m)) for i, m in history]
+        history = []
+        _check_finite(fetched, step, ckpts)
+        elapsed = time.perf_counter() - window_start
+        scalars = {k: float(np.mean([m[k] for _, m in fetched])) for k in fetched[-1][1]}
+        per_sec = window_steps * config.batch_size / elapsed
+        scalars["examples_per_sec"] = per_sec
+        scalars["examples_per_sec_per_device"] = per_sec / jax.device_count()
+        scalars["model_tflops_per_sec_per_device"] = (
+            window_steps * flops_per_step / elapsed / jax.device_count() / 1e12)
+        if peak:
+          scalars["mfu"] = scalars["model_tflops_per_sec_per_device"] * 1e12 / peak
+        writer.write_scalars(step, scalars)
+        results.update(step=step, loss=scalars["loss"])
+        window_start, window_steps = time.perf_counter(), 0
+      if config.picture_every_steps and (step % config.picture_every_steps == 0 or last):
+        if fixed_pictures is not None and is_main:
+          _save_picture(workdir, step, task.picture(state["params"], fixed_pictures,
+                                                    jax.random.key(config.seed)), writer)
+      save_every = config.checkpoint.every_steps
+      if (save_every and step % save_every == 0) or last or preempted:
+        if history:
+          fetched = [(i, jax.device_get(m)) for i, m in history]
+          _check_finite(fetched, step, ckpts)
+        ckpts.save(step, state, {"step": step, "examples_seen": step * config.batch_size,
+                                 "seed": config.seed, "task": config.task})
+      if evaluators.due(step, last):
+        with report.timed("eval"):
+          ev = evaluators.run(state["params"], step, last)
+        writer.write_scalars(step, ev)
+        results.update(ev)
+      if preempted:
+        logging.warning("stopped at step %d after SIGTERM; rerun the same command to resume", step)
+        break
+      if not last:
+        batch = shd.global_batch_from_local(next(batches), mesh)
+  finally:
+    preemption.restore()
+    ckpts.close()
+    writer.flush()
+  results["preempted"] = preempted
+  if is_main:
+    with open(os.path.join(workdir, "results.json"), "w") as f:
+      json.dump(results, f, indent=1)
+  return results
