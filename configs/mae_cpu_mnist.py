@@ -25,12 +25,12 @@ def get_config():
   c.data.eval_resize = "resize"
   c.data.crop_scale = (0.5, 1.0)
   c.batch_size = 128
-  c.num_epochs = 8.0
-  c.warmup_epochs = 1.0
+  c.num_epochs = 4.0
+  c.warmup_epochs = 0.5
   c.optim.lr = 1e-3
-  c.checkpoint.every_steps = 200
-  c.log_every_steps = 50
-  c.picture_every_steps = 200
+  c.checkpoint.every_steps = 100
+  c.log_every_steps = 25
+  c.picture_every_steps = 100
   c.evals.knn.every_steps = 0
   c.evals.knn.train_split = "train"
   c.evals.knn.eval_split = "test"

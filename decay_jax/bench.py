@@ -3,6 +3,7 @@
     python -m decay_jax.bench --config=configs/mae_vit_b16.py --batch_per_device=64 --steps=20
     python -m decay_jax.bench --config=configs/mae_vit_h14.py --compile_only --fake_devices=8
     python -m decay_jax.bench --config=configs/mae_cpu_mnist.py --torch   # + PyTorch reference
+    python -m decay_jax.bench --task=sit --preset=XL/2 --compile_only --batch_per_device=32
 
 Inputs are synthetic (the model's shape, standard normal), so no dataset is needed. With
 ``--compile_only`` nothing is allocated: the step is lowered and compiled on abstract inputs
@@ -40,10 +41,15 @@ from ml_collections import config_flags  # noqa: E402
 
 from decay_jax import flops  # noqa: E402
 from decay_jax import sharding as shd  # noqa: E402
+from decay_jax.data import pipeline  # noqa: E402
 from decay_jax.train import config as config_lib  # noqa: E402
 from decay_jax.train import optim, step as step_lib, tasks  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_TASK = flags.DEFINE_enum("task", "mae", ["mae", "sit"], "Without --config: the task's defaults.")
+_PRESET = flags.DEFINE_string("preset", None, "Without --config: the model preset (e.g. XL/2).")
+_DTYPE = flags.DEFINE_string("dtype", None, "Override model.dtype (float32, bfloat16).")
+_REMAT = flags.DEFINE_string("remat", None, "Override model.remat_policy (none, full, dots).")
 _BATCH = flags.DEFINE_integer("batch_per_device", 0, "Per-device batch (0: the config's batch).")
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps (after one warm-up step).")
 _COMPILE_ONLY = flags.DEFINE_bool("compile_only", False, "Only lower + compile on abstract inputs.")
@@ -55,6 +61,8 @@ _OUT = flags.DEFINE_string("out", None, "Append the result as one JSON line to t
 
 def build(config, batch: int):
   channels = _CHANNELS.value or (3 if config.task == "mae" else 4)
+  if config.data.dataset == "embedded_mnist" or config.data.dataset.startswith("npz:"):
+    channels = pipeline.dataset_info(config.data)["channels"]  # cheap for in-memory data
   info = {"image_size": config.data.image_size, "channels": channels, "num_train": batch * 1000}
   model = config_lib.build_model(config, info)
   task = (tasks.MAETask if config.task == "mae" else tasks.SiTTask)(model)
@@ -128,6 +136,14 @@ def torch_reference_seconds(config, model, batch: int, steps: int) -> float:
 def main(argv):
   del argv
   config = _CONFIG.value
+  if config is None:
+    config = config_lib.mae_config() if _TASK.value == "mae" else config_lib.sit_config()
+    if _PRESET.value:
+      config.model.preset = _PRESET.value
+  if _DTYPE.value:
+    config.model.dtype = _DTYPE.value
+  if _REMAT.value:
+    config.model.remat_policy = _REMAT.value
   config_lib.validate(config)
   mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp)
   batch = _BATCH.value * mesh.size if _BATCH.value else config.batch_size
@@ -147,7 +163,9 @@ def main(argv):
   t2 = time.perf_counter()
   n_params = sum(int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(abstract["params"]))
   flops_step = task.train_flops_per_example() * batch
-  res = {"config": os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"])),
+  name = (os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"]))
+          if _CONFIG.value is not None else f"{config.task} defaults")
+  res = {"config": name,
          "preset": config.model.preset,
          "alpha_min": model.alpha_min, "dtype": config.model.dtype, "remat": config.model.remat_policy,
          "devices": mesh.size, "device_kind": jax.devices()[0].device_kind,
@@ -187,5 +205,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  flags.mark_flags_as_required(["config"])
   app.run(main)

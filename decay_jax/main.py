@@ -23,6 +23,8 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
+  from decay_jax import logs
+  logs.quiet_libraries()
   import jax
   if os.environ.get("DECAY_JAX_DISTRIBUTED") == "1":
     jax.distributed.initialize()

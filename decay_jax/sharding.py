@@ -19,15 +19,24 @@ FSDP_MIN_SIZE = 2 ** 14  # smaller tensors stay replicated: sharding them costs 
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:
-  """A ``(data, fsdp)`` mesh over all devices (``data=-1``: whatever ``fsdp`` leaves)."""
+  """A ``(data, fsdp)`` mesh (``data=-1``: all devices that ``fsdp`` leaves).
+
+  An explicit ``data * fsdp`` smaller than the device count uses the first devices only (for
+  debugging and for comparing device counts in one process).
+  """
   devices = jax.devices() if devices is None else devices
   n = len(devices)
-  if fsdp < 1 or n % fsdp:
+  if not isinstance(fsdp, int) or fsdp < 1 or n % fsdp:
     raise ValueError(f"mesh.fsdp={fsdp} is not allowed; it must divide the device count {n}")
   if data == -1:
     data = n // fsdp
-  if data * fsdp != n:
-    raise ValueError(f"mesh.data={data} x mesh.fsdp={fsdp} must equal the device count {n}")
+  if not isinstance(data, int) or data < 1 or data * fsdp > n:
+    raise ValueError(f"mesh.data={data} is not allowed; mesh.data x mesh.fsdp ({fsdp}) must be "
+                     f"at most the device count {n} (or mesh.data=-1 for all)")
+  if data * fsdp < n and jax.process_count() > 1:
+    raise ValueError(f"mesh.data={data} x mesh.fsdp={fsdp} must use all {n} devices when "
+                     "running on several processes")
+  devices = devices[:data * fsdp]
   return Mesh(np.asarray(devices).reshape(data, fsdp), ("data", "fsdp"))
 
 

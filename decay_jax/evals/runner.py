@@ -111,7 +111,7 @@ class Evaluators:
 
 def from_config(config, task, mesh) -> Evaluators:
   evaluators = {}
-  if config.task == "mae" and "knn" in config.evals and config.evals.knn.get("enabled", True):
+  if config.task == "mae" and "knn" in config.evals and config.evals.knn.enabled:
     evaluators["knn"] = KnnEvaluator(config.evals.knn, task, config.data, mesh)
   pictures = None
   if config.picture_every_steps:

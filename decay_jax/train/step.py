@@ -83,9 +83,9 @@ def make_train_step(task, tx, schedule: Callable, accum_steps: int = 1):
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new_params = optax.apply_updates(params, updates)
     metrics = dict(metrics)
-    metrics["grad_norm"] = optax.global_norm(grads)
-    metrics["param_norm"] = optax.global_norm(new_params)
-    metrics["update_norm"] = optax.global_norm(updates)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    metrics["param_norm"] = optax.tree.norm(new_params)
+    metrics["update_norm"] = optax.tree.norm(updates)
     metrics["lr"] = schedule(state["step"])
     new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1,
                  "rng": state["rng"]}

@@ -73,7 +73,9 @@ class _Preemption:
 def _save_picture(workdir: str, step: int, picture: np.ndarray, writer) -> str:
   path = os.path.join(workdir, "pictures", f"step_{step:07d}.png")
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  Image.fromarray(picture).save(path)
+  scale = max(1, 384 // picture.shape[0])  # small images (28-px digits) are enlarged to be seen
+  Image.fromarray(picture).resize((picture.shape[1] * scale, picture.shape[0] * scale),
+                                  Image.Resampling.NEAREST).save(path)
   writer.write_images(step, {"reconstruction": picture[None]})
   return path
 
@@ -136,7 +138,7 @@ def train_and_evaluate(config, workdir: str) -> Dict[str, Any]:
     state, meta = ckpts.restore(start, abstract, shardings)
     logging.info("resumed from step %d (%d examples seen)", start, meta["examples_seen"])
   else:
-    start = 0
+    start, meta = 0, {}
     state = jax.jit(lambda: step_lib.init_state(task, tx, config.seed), out_shardings=shardings)()
 
   # ---------------------------------------------------------------------------------------------
@@ -161,7 +163,9 @@ def train_and_evaluate(config, workdir: str) -> Dict[str, Any]:
   report = periodic_actions.ReportProgress(num_train_steps=total_steps, writer=writer)
   preemption = _Preemption()
   fixed_pictures = evaluators.picture_batch()
-  history, results, preempted = [], {"compile_seconds": compile_seconds}, False
+  history, preempted = [], False
+  results = {"compile_seconds": compile_seconds, "step": start, "loss": meta.get("loss")}
+  evaluated = False
   window_start, window_steps = time.perf_counter(), 0
   step, batch = start, first
   try:
@@ -200,17 +204,23 @@ def train_and_evaluate(config, workdir: str) -> Dict[str, Any]:
           fetched = [(i, jax.device_get(m)) for i, m in history]
           _check_finite(fetched, step, ckpts)
         ckpts.save(step, state, {"step": step, "examples_seen": step * config.batch_size,
-                                 "seed": config.seed, "task": config.task})
+                                 "seed": config.seed, "task": config.task,
+                                 "loss": results["loss"]})
       if evaluators.due(step, last):
         with report.timed("eval"):
           ev = evaluators.run(state["params"], step, last)
         writer.write_scalars(step, ev)
         results.update(ev)
+        evaluated = last
       if preempted:
         logging.warning("stopped at step %d after SIGTERM; rerun the same command to resume", step)
         break
       if not last:
         batch = shd.global_batch_from_local(next(batches), mesh)
+    if start >= total_steps and not evaluated:  # resumed a finished run: report its evaluations
+      ev = evaluators.run(state["params"], step, True)
+      writer.write_scalars(step, ev)
+      results.update(ev)
   finally:
     preemption.restore()
     ckpts.close()

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The README's main command: on a fresh machine with Python 3.11, installs the pinned requirements
+# into .venv and trains a decayed MAE (alpha_min 0.6) and a baseline (alpha_min 1.0) with the same
+# budget on the embedded MNIST digits, then prints their KNN accuracies. Output: ${1:-workdir/demo}.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source launch/venv.sh requirements.txt
+WORKDIR=${1:-workdir/demo}
+shift || true
+exec .venv/bin/python -m decay_jax.compare --config=configs/mae_cpu_mnist.py \
+  --workdir="$WORKDIR" --alphas=0.6,1.0 "$@"
