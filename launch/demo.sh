@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/venv.sh requirements.txt
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
 WORKDIR=${1:-workdir/demo}
 shift || true
 exec .venv/bin/python -m decay_jax.compare --config=configs/mae_cpu_mnist.py \

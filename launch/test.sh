@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/venv.sh requirements-test.txt
+export JAX_PLATFORMS=cpu
 exec .venv/bin/python -m pytest -q -n "${PYTEST_WORKERS:-2}" --durations=15 tests "$@"

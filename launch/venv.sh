@@ -4,4 +4,3 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -r "$1"
-export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}

@@ -18,7 +18,7 @@ from typing import Any, Dict
 import jax
 import numpy as np
 from absl import logging
-from clu import metric_writers, periodic_actions
+from clu import periodic_actions
 from PIL import Image
 
 from decay_jax import checkpoint as ckpt_lib
@@ -27,7 +27,7 @@ from decay_jax import sharding as shd
 from decay_jax.data import pipeline
 from decay_jax.evals import runner as eval_runner
 from decay_jax.train import config as config_lib
-from decay_jax.train import optim, step as step_lib, tasks
+from decay_jax.train import optim, step as step_lib, tasks, writers
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -118,7 +118,7 @@ def train_and_evaluate(config, workdir: str) -> Dict[str, Any]:
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=1))
 
-  writer = metric_writers.create_default_writer(workdir, just_logging=not is_main)
+  writer = writers.make_writer(workdir, is_main)
   logging.info("devices: %d (%s), processes: %d, mesh %s", jax.device_count(),
                jax.devices()[0].device_kind, jax.process_count(), dict(mesh.shape))
   logging.info("model: %s, alpha_min=%s, alpha_eff=%.4g; %d steps (%d warmup), batch %d",

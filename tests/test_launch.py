@@ -1,0 +1,50 @@
+"""Launch scripts: syntax, argument errors, and the exact multi-host commands (dry runs)."""
+
+import glob
+import os
+import subprocess
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(args, **env):
+  return subprocess.run(args, cwd=REPO, env=dict(os.environ, **env), capture_output=True,
+                        text=True, timeout=60)
+
+
+@pytest.mark.parametrize("script", sorted(glob.glob(os.path.join(REPO, "launch", "*.sh"))),
+                         ids=os.path.basename)
+def test_syntax(script):
+  assert run(["bash", "-n", script]).returncode == 0
+
+
+def test_local_needs_config_and_workdir():
+  p = run(["bash", "launch/local.sh", "configs/mae_cpu_mnist.py"])
+  assert p.returncode == 2 and "usage:" in p.stderr
+  p = run(["bash", "launch/local.sh", "configs/nope.py", "/tmp/x"])
+  assert p.returncode == 2 and "config file configs/nope.py not found" in p.stderr
+
+
+def test_slurm_dry_run_runs_one_process_per_gpu():
+  p = run(["bash", "launch/slurm.sh", "configs/mae_vit_b16.py", "/shared/run",
+           "--config.batch_size=8192"], DRY_RUN="1")
+  assert p.returncode == 0, p.stderr
+  out = p.stdout
+  assert out.startswith("srun --kill-on-bad-exit=1 bash -c ")
+  assert "CUDA_VISIBLE_DEVICES=\\$SLURM_LOCALID" in out and "DECAY_JAX_DISTRIBUTED=1" in out
+  assert "--config=configs/mae_vit_b16.py --workdir=/shared/run --config.batch_size=8192" in out
+
+
+def test_tpu_pod_dry_run_targets_all_workers():
+  p = run(["bash", "launch/tpu_pod.sh", "configs/mae_vit_l16.py", "gs://b/run"], DRY_RUN="1",
+          TPU_NAME="v4-64", ZONE="us-central2-b")
+  assert p.returncode == 0, p.stderr
+  lines = p.stdout.strip().splitlines()
+  assert lines[0].startswith("gcloud compute tpus tpu-vm scp") and "--worker=all" in lines[0]
+  assert lines[1].startswith("gcloud compute tpus tpu-vm ssh v4-64 --zone=us-central2-b --worker=all")
+  assert "DECAY_JAX_DISTRIBUTED=1\\ JAX_EXTRA=tpu\\ bash\\ launch/local.sh" in lines[1]
+  assert "configs/mae_vit_l16.py" in lines[1] and "gs://b/run" in lines[1]
+  p = run(["bash", "launch/tpu_pod.sh", "configs/mae_vit_l16.py", "gs://b/run"], DRY_RUN="1")
+  assert p.returncode != 0 and "TPU_NAME" in p.stderr
