@@ -19,12 +19,4 @@ def get_config():
   c = config_lib.mae_config()
   c.model.preset = "B/16"
   c.model.alpha_min = 0.6
-  c.batch_size = 4096
-  c.num_epochs = 800.0
-  c.warmup_epochs = 40.0
-  c.checkpoint.every_steps = 2000
-  c.checkpoint.keep_every_steps = 50_000
-  c.picture_every_steps = 5000
-  c.evals.knn.every_steps = 25_000
-  c.evals.knn.max_train_examples = 0
   return c

@@ -20,10 +20,7 @@ def get_config():
   c.model.dtype = "bfloat16"
   c.batch_size = 8192
   c.accum_steps = 4
-  c.num_epochs = 800.0
-  c.warmup_epochs = 40.0
   c.checkpoint.every_steps = 1000
   c.checkpoint.keep_every_steps = 7800  # ~every 50 epochs, like checkpoint-{epoch:05d}.pth
-  c.picture_every_steps = 5000
   c.evals.knn.every_steps = 15_600
   return c

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import torch_reference as ref
+from parity import assert_grads_match, nhwc
 from decay_jax import convert
 from decay_jax.models import mae as mae_lib
 
@@ -53,10 +54,6 @@ def pair(request):
               noise=noise, name=request.param)
 
 
-def nhwc(x):
-  return jnp.asarray(np.asarray(x).transpose(0, 2, 3, 1))
-
-
 def test_forward_matches(pair):
   t, f = pair["tmodel"], pair["fmodel"]
   with torch.no_grad():
@@ -95,11 +92,7 @@ def test_gradients_match(pair):
       "decoder_cls_token": grads["decoder_cls_token"],
       "decoder_pred.weight": grads["decoder_pred"]["kernel"].T,
   }
-  for key, g in checks.items():
-    want = tgrads[key]
-    scale = np.abs(want).max()
-    assert scale > 0, key
-    np.testing.assert_allclose(np.asarray(g), want, atol=GRAD_RTOL * scale, rtol=0, err_msg=key)
+  assert_grads_match(checks, tgrads, GRAD_RTOL)
 
 
 def test_conversion_report_and_round_trip(pair):

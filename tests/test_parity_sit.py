@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import torch_reference as ref
+from parity import assert_grads_match, nhwc
 from decay_jax import convert
 from decay_jax.models import sit as sit_lib
 
@@ -43,10 +44,6 @@ def pair(request):
   fwd = jax.jit(lambda p, x, t, y, d: fmodel.apply({"params": p}, x, t, y, force_drop_ids=d))
   return dict(kw=kw, tmodel=tmodel, fmodel=fmodel, params=params, report=report, x=x, t=t, y=y,
               fwd=fwd)
-
-
-def nhwc(x):
-  return jnp.asarray(np.asarray(x).transpose(0, 2, 3, 1))
 
 
 def test_forward_matches(pair):
@@ -85,11 +82,7 @@ def test_gradients_match(pair):
       "dec_blocks.0.skip.weight": g["dec_blocks"]["skip"]["kernel"][0].T,
       "final_layer.linear.weight": g["final_linear"]["kernel"].T,
   }
-  for key, got in checks.items():
-    want = tgrads[key]
-    scale = np.abs(want).max()
-    assert scale > 0, key
-    np.testing.assert_allclose(np.asarray(got), want, atol=GRAD_RTOL * scale, rtol=0, err_msg=key)
+  assert_grads_match(checks, tgrads, GRAD_RTOL)
 
 
 def test_round_trips(pair):

@@ -61,10 +61,13 @@ def mae_config() -> mlc.ConfigDict:
   c.batch_size = 4096
   c.num_epochs = 800.0
   c.warmup_epochs = 40.0
+  c.checkpoint.every_steps = 2000
+  c.checkpoint.keep_every_steps = 50_000
+  c.picture_every_steps = 5000
   c.optim = mlc.ConfigDict(dict(base_lr=1.5e-4, lr=mlc.FieldReference(None, field_type=float),
                                 schedule="warmup_cosine", b1=0.9, b2=0.95, eps=1e-8,
                                 weight_decay=0.05, min_lr=0.0, grad_clip_norm=0.0))
-  c.evals.knn = mlc.ConfigDict(dict(enabled=True, every_steps=0, k=20, temperature=0.07, pool="mean",
+  c.evals.knn = mlc.ConfigDict(dict(enabled=True, every_steps=25_000, k=20, temperature=0.07, pool="mean",
                                     layernorm=False, train_split="train", eval_split="validation",
                                     max_train_examples=100_000, max_eval_examples=0,
                                     batch_size=256))
