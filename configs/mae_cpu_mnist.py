@@ -36,4 +36,21 @@ def get_config():
   c.evals.knn.eval_split = "test"
   c.evals.knn.max_train_examples = 0
   c.evals.knn.batch_size = 500
+  c.evals.linear.eval_split = "test"
+  c.evals.linear.max_train_examples = 0
+  c.evals.linear.batch_size = 500
+  c.evals.linear.features = "mean,patch_mean,cls,mean_ln,patch_mean_ln,cls_ln"
+  c.evals.linear.protocols = "official,mae"
+  # Upstream's probe scaled to 10,000 digits: batch 256 at upstream's peak lr 6.4 (the linear
+  # scaling rule would give 0.1, with which LARS barely leaves its N(0, 0.01^2) start in 10 epochs).
+  c.evals.linear.mae.update(batch_size=256, blr=6.4, epochs=10, warmup_epochs=1.0)
+  c.evals.linear.mae.crop_scale = (0.5, 1.0)  # as pretraining: 8% of a 28-pixel digit is blank
+  c.evals.layers.eval_split = "test"
+  c.evals.layers.max_train_examples = 0
+  c.evals.layers.max_eval_examples = 0
+  c.evals.layers.batch_size = 500
+  c.evals.rank.split = "test"
+  c.evals.rank.every_steps = 100
+  c.evals.rank.num_images = 1000
+  c.evals.rank.batch_size = 500
   return c

@@ -149,10 +149,12 @@ def main(argv):
   batch = _BATCH.value * mesh.size if _BATCH.value else config.batch_size
   shd.check_batch(batch, mesh, config.accum_steps)
   model, task, tx, schedule = build(config, batch)
-  abstract = step_lib.abstract_state(task, tx, config.seed)
+  ema = config.ema_decay > 0
+  abstract = step_lib.abstract_state(task, tx, config.seed, ema)
   shardings = step_lib.state_shardings(abstract, tx, mesh)
   train_step = step_lib.jit_train_step(
-      step_lib.make_train_step(task, tx, schedule, config.accum_steps), shardings, mesh)
+      step_lib.make_train_step(task, tx, schedule, config.accum_steps, config.ema_decay),
+      shardings, mesh)
   a_state = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                    abstract, shardings)
   a_batch = abstract_batch(model, config, batch, mesh)
@@ -178,7 +180,8 @@ def main(argv):
     local = {"image": rng.standard_normal(a_batch["image"].shape, np.float32),
              "label": rng.integers(0, 10, batch).astype(np.int32)}
     data = shd.global_batch_from_local(local, mesh)
-    state = jax.jit(lambda: step_lib.init_state(task, tx, config.seed), out_shardings=shardings)()
+    state = jax.jit(lambda: step_lib.init_state(task, tx, config.seed, ema),
+                    out_shardings=shardings)()
     state, m = compiled(state, data)
     jax.block_until_ready(m)
     t = time.perf_counter()

@@ -169,7 +169,8 @@ def scan_blocks(block_cls, depth: int, in_axes, remat_policy: str = "none"):
   """``nn.scan`` over ``depth`` stacked copies of ``block_cls`` (parameters get a leading axis).
 
   Scanning keeps compile time flat in depth, which matters on pods and in CI. Per-layer constants
-  (the decay coefficients) and per-layer inputs enter as scanned arrays ``xs``.
+  (the decay coefficients) and per-layer inputs enter as scanned arrays ``xs``. Sown
+  ``'intermediates'`` (branch norms, only when the caller makes them mutable) get the layer axis too.
   """
-  return nn.scan(remat(block_cls, remat_policy), variable_axes={"params": 0},
+  return nn.scan(remat(block_cls, remat_policy), variable_axes={"params": 0, "intermediates": 0},
                  split_rngs={"params": True}, in_axes=in_axes, length=depth)

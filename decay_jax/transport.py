@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+
+from decay_jax.schedules import check_choice
 
 PATH_TYPES = ("linear", "gvp", "vp")
 PREDICTIONS = ("velocity", "noise", "score")
@@ -43,12 +45,6 @@ VP_SIGMA_MAX = 20.0
 ModelFn = Callable[..., jax.Array]
 
 
-def check_choice(field: str, value, allowed: Sequence) -> None:
-  """Raises a one-line ValueError naming the field and the allowed values."""
-  if value not in allowed:
-    raise ValueError(f"{field}={value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
-
-
 def canonical_diffusion_form(form: str) -> str:
   """Returns the canonical name of a diffusion form (accepts upstream's misspelling)."""
   form = _DIFFUSION_ALIASES.get(form, form)
@@ -57,7 +53,7 @@ def canonical_diffusion_form(form: str) -> str:
 
 
 def expand_t_like_x(t: jax.Array, x: jax.Array) -> jax.Array:
-  """Reshapes time ``t`` of shape ``(N,)`` (or a scalar) to ``(N, 1, ..., 1)`` to broadcast with x."""
+  """Reshapes time ``t`` ``(N,)`` (or a scalar) to ``(N, 1, ..., 1)`` to broadcast with x."""
   t = jnp.asarray(t)
   return t.reshape(t.shape + (1,) * (x.ndim - t.ndim))
 
@@ -67,7 +63,7 @@ def mean_flat(x: jax.Array) -> jax.Array:
   return jnp.mean(x, axis=tuple(range(1, x.ndim)))
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Path coefficients. Every function takes an already broadcast ``t`` and works elementwise.
 
 def _vp_log_mean_coeff(t):
@@ -106,7 +102,7 @@ def compute_sigma_t(path_type: str, t: jax.Array) -> Tuple[jax.Array, jax.Array]
 
 
 def compute_d_alpha_alpha_ratio_t(path_type: str, t: jax.Array) -> jax.Array:
-  """``d_alpha_t / alpha_t`` in a numerically stable closed form (infinite at t = 0 for linear/gvp)."""
+  """``d_alpha_t / alpha_t`` in a stable closed form (infinite at t = 0 for linear and gvp)."""
   if path_type == "linear":
     return 1 / t
   if path_type == "gvp":
@@ -144,13 +140,14 @@ def compute_diffusion(path_type: str, x: jax.Array, t: jax.Array, form: str = "c
                       norm: float = 1.0) -> jax.Array:
   """Diffusion coefficient ``w(t)`` of the sampling SDE ``dx = [v + w s] dt + sqrt(2 w) dW``.
 
-  Forms (upstream ``compute_diffusion``): ``"constant"``: ``norm``; ``"SBDM"``: ``norm * drift_var``;
-  ``"sigma"``: ``norm * sigma_t``; ``"linear"``: ``norm (1 - t)``; ``"decreasing"``:
-  ``(norm cos(pi t) + 1)^2 / 4``; ``"increasing-decreasing"``: ``norm sin(pi t)^2``.
+  Forms (upstream ``compute_diffusion``):
+    ``"constant"``: ``norm``; ``"SBDM"``: ``norm * drift_var``; ``"sigma"``: ``norm * sigma_t``;
+    ``"linear"``: ``norm (1 - t)``; ``"decreasing"``: ``(norm cos(pi t) + 1)^2 / 4``;
+    ``"increasing-decreasing"``: ``norm sin(pi t)^2``.
 
   Args:
     path_type: one of PATH_TYPES.
-    x: ``(N, ...)`` state (only its shape is used, except through ``drift_var``).
+    x: ``(N, ...)`` state (only its shape is used).
     t: ``(N,)`` times.
     form: one of DIFFUSION_FORMS.
     norm: the scale of the diffusion.
@@ -173,7 +170,7 @@ def compute_diffusion(path_type: str, x: jax.Array, t: jax.Array, form: str = "c
   return norm * jnp.sin(math.pi * te) ** 2
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Conversions between velocity, score and noise predictions (exact for the conditional targets).
 
 def get_score_from_velocity(path_type: str, velocity: jax.Array, x: jax.Array,
@@ -206,7 +203,7 @@ def get_noise_from_velocity(path_type: str, velocity: jax.Array, x: jax.Array,
 
 def get_velocity_from_score(path_type: str, score: jax.Array, x: jax.Array,
                             t: jax.Array) -> jax.Array:
-  """``v = drift_var * score - drift_mean`` (see compute_drift). Shapes: ``(N, ...)``, t ``(N,)``."""
+  """``v = drift_var * score - drift_mean`` (compute_drift). Shapes: ``(N, ...)``, t ``(N,)``."""
   drift_mean, drift_var = compute_drift(path_type, x, t)
   return drift_var * score - drift_mean
 
@@ -227,7 +224,7 @@ def get_velocity_from_noise(path_type: str, noise: jax.Array, x: jax.Array,
   return get_velocity_from_score(path_type, get_score_from_noise(path_type, noise, x, t), x, t)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Interpolation.
 
 def compute_xt(path_type: str, t: jax.Array, x0: jax.Array, x1: jax.Array) -> jax.Array:
@@ -247,8 +244,8 @@ def default_eps(path_type: str, prediction: str, train_eps: Optional[float],
   """The (train_eps, sample_eps) that upstream ``create_transport`` settles on.
 
   - ``"vp"``: train 1e-5, sample 1e-3 when ``train_eps`` is None.
-  - ``"linear"``/``"gvp"`` with noise or score prediction: train 1e-3, sample 1e-3 when ``train_eps``
-    is None.
+  - ``"linear"``/``"gvp"`` with noise or score prediction: train 1e-3, sample 1e-3 when
+    ``train_eps`` is None.
   - ``"linear"``/``"gvp"`` with velocity prediction: both are forced to 0, whatever is passed.
 
   Upstream quirk kept on purpose: the sample default is chosen by testing ``train_eps``, so a
@@ -291,7 +288,8 @@ class Transport:
     for name in ("train_eps", "sample_eps"):
       value = getattr(self, name)
       if value is not None and not (isinstance(value, (int, float)) and 0 <= value < 0.5):
-        raise ValueError(f"{name}={value!r} is not allowed; it must be None or a number in [0, 0.5)")
+        raise ValueError(f"{name}={value!r} is not allowed; it must be None or a number in "
+                         f"[0, 0.5)")
     # Raises now, not at sampling time, for an unusable train/sample eps pair.
     default_eps(self.path_type, self.prediction, self.train_eps, self.sample_eps)
 
@@ -399,11 +397,11 @@ class Transport:
     t = self.sample_time(rng_t, x1.shape[0], jnp.promote_types(x1.dtype, jnp.float32))
     return self.loss(model_fn, x1, x0, t, **model_kwargs)
 
-  # -------------------------------------------------------------------------------------------------
+  # ------------------------------------------------------------------------------------------------
   # Drift and score from a model output (one model call serves both in the SDE sampler).
 
   def drift_from_output(self, output: jax.Array, x: jax.Array, t: jax.Array) -> jax.Array:
-    """Probability-flow ODE drift ``dx/dt`` ``(N, ...)`` from a model output (upstream get_drift)."""
+    """Probability-flow ODE drift ``dx/dt`` ``(N, ...)`` of a model output (upstream get_drift)."""
     if output.shape != x.shape:
       raise ValueError(f"model output shape {output.shape} must equal the state shape {x.shape}")
     if self.prediction == "velocity":

@@ -53,6 +53,8 @@ import ml_collections
 import numpy as np
 from PIL import Image
 
+from decay_jax.data import latents
+
 EMBEDDED_MNIST = "embedded_mnist"
 NPZ_PREFIX = "npz:"
 NORMALIZE = ("imagenet", "half", "none")
@@ -293,7 +295,7 @@ def _tfds_builder(cfg: ml_collections.ConfigDict):
   except tfds.core.registered.DatasetNotFoundError as e:
     raise ValueError(
         f"dataset={cfg.dataset!r} is not allowed; choose {EMBEDDED_MNIST!r}, "
-        f"'{NPZ_PREFIX}/abs/path.npz' or a TFDS builder name such as 'cifar10' or "
+        f"'{NPZ_PREFIX}/abs/path.npz', '{latents.PREFIX}/dir' or a TFDS builder name such as 'cifar10' or "
         "'imagenet2012' (see tfds.list_builders())") from e
 
 
@@ -331,6 +333,8 @@ def dataset_info(data_cfg: ml_collections.ConfigDict) -> dict:
     output resolution)}``.
   """
   _check_fields(data_cfg)
+  if latents.path_of(data_cfg.dataset) is not None:
+    return latents.dataset_info(data_cfg)
   path = _npz_path(data_cfg.dataset)
   if path is not None:
     header = _npz_header(path, data_cfg.dataset)
@@ -375,6 +379,9 @@ def make_train_iterator(data_cfg: ml_collections.ConfigDict, global_batch: int, 
   """
   _check_fields(data_cfg)
   _check_batch(global_batch, seed, start_step, process_index, process_count)
+  if latents.path_of(data_cfg.dataset) is not None:
+    return latents.make_train_iterator(data_cfg, global_batch, seed, start_step, process_index,
+                                       process_count)
   path = _npz_path(data_cfg.dataset)
   if path is not None:
     header = _npz_header(path, data_cfg.dataset)
@@ -403,6 +410,8 @@ def load_eval_arrays(data_cfg: ml_collections.ConfigDict,
   _check_fields(data_cfg)
   field = "eval_split" if split is None else "split"
   split = data_cfg.eval_split if split is None else split
+  if latents.path_of(data_cfg.dataset) is not None:
+    return latents.load_eval_arrays(data_cfg, split)
   path = _npz_path(data_cfg.dataset)
   if path is not None:
     header = _npz_header(path, data_cfg.dataset)

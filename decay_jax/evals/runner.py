@@ -1,7 +1,13 @@
 """Evaluators run inside training (configured under ``config.evals``) and by ``decay_jax.evaluate``.
 
-An evaluator has ``every_steps`` (0 = only at the end of training) and ``run(params) -> dict``.
-Features are extracted with the model sharded as in training; every process gets all features.
+An evaluator has ``every_steps`` (0 = only at the end of training), ``run(params) -> dict`` of
+scalars and ``evaluate(params) -> dict`` of JSON-able report sections. Features are extracted with
+the model sharded as in training; every process gets all features. MAE evaluators:
+
+  ``knn``: weighted KNN of the last block (``evals.knn``, below).
+  ``linear``: linear probes of the last block, official and upstream-MAE protocols.
+  ``layers``: KNN and a fast linear probe on every block.
+  ``rank``: effective rank per block and branch ratios per sublayer (cheap; on by default).
 """
 
 from __future__ import annotations
@@ -9,48 +15,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, Optional
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
-from decay_jax import sharding as shd
 from decay_jax.data import pipeline
+from decay_jax.evals import evaluators as evaluators_lib
 from decay_jax.evals import knn
-
-
-def extract(fn, params, images: np.ndarray, mesh, batch_size: int) -> np.ndarray:
-  """Applies ``fn(params, images) -> (n, ...)`` in sharded batches; returns numpy for all rows.
-
-  The last batch is padded (and the padding dropped) so one compiled program serves every batch;
-  each process feeds its slice of every batch.
-  """
-  n = images.shape[0]
-  per = mesh.size
-  batch_size = max(per, (batch_size // per) * per)
-  jitted = jax.jit(fn)
-  pc, pi = jax.process_count(), jax.process_index()
-  outs = []
-  for start in range(0, n, batch_size):
-    chunk = images[start:start + batch_size]
-    valid = chunk.shape[0]
-    if valid < batch_size:
-      chunk = np.concatenate([chunk, np.zeros((batch_size - valid,) + chunk.shape[1:],
-                                              chunk.dtype)], axis=0)
-    local = chunk.reshape((pc, batch_size // pc) + chunk.shape[1:])[pi]
-    out = jitted(params, shd.global_batch_from_local(local, mesh))
-    if pc > 1:
-      from jax.experimental import multihost_utils
-      out = multihost_utils.process_allgather(out, tiled=True)
-    outs.append(np.asarray(jax.device_get(out))[:valid])
-  return np.concatenate(outs, axis=0)
-
-
-def _limited(data_cfg, max_examples: int):
-  """``data_cfg`` reading at most ``max_examples`` images (0: all) of an eval split."""
-  cfg = data_cfg.copy_and_resolve_references()
-  with cfg.unlocked():
-    cfg.max_eval_examples = max_examples or None
-  return cfg
+from decay_jax.evals.features import extract  # also public here, as before
 
 
 class KnnEvaluator:
@@ -59,12 +29,12 @@ class KnnEvaluator:
   def __init__(self, cfg, task, data_cfg, mesh):
     self.cfg, self.task, self.mesh = cfg, task, mesh
     self.every_steps = cfg.every_steps
-    self.train = pipeline.load_eval_arrays(_limited(data_cfg, cfg.max_train_examples),
-                                           cfg.train_split)
-    self.test = pipeline.load_eval_arrays(_limited(data_cfg, cfg.max_eval_examples),
-                                          cfg.eval_split)
+    self.train = evaluators_lib.load_split(data_cfg, cfg.train_split, cfg.max_train_examples)
+    self.test = evaluators_lib.load_split(data_cfg, cfg.eval_split, cfg.max_eval_examples)
     self.num_classes = int(max(self.train["label"].max(), self.test["label"].max())) + 1
-    model = task.model
+    self.model = model = task.model
+    self.choice = cfg.pool + ("_ln" if cfg.layernorm else "")
+    self.cache = None  # a features.FeatureCache shared with other evaluators (decay_jax.evaluate)
 
     def features(params, images):
       tokens = model.apply({"params": params}, images, method=model.features)[-1]
@@ -72,14 +42,31 @@ class KnnEvaluator:
 
     self.features = features
 
-  def run(self, params) -> Dict[str, float]:
-    get = lambda d: extract(self.features, params, d["image"], self.mesh, self.cfg.batch_size)
+  def requests(self):
+    return [(d["image"], (self.choice,), (-1,)) for d in (self.train, self.test)]
+
+  def _get(self, params, images):
+    if self.cache is not None and self.cache.params is params:
+      return self.cache.pooled(images, (self.choice,), (-1,))[:, 0, 0]
+    return extract(self.features, params, images, self.mesh, self.cfg.batch_size)
+
+  def evaluate(self, params) -> Dict[str, dict]:
+    get = lambda d: self._get(params, d["image"])
     res = knn.knn_accuracy(get(self.train), self.train["label"], get(self.test), self.test["label"],
                            self.num_classes, k=self.cfg.k, temperature=self.cfg.temperature)
+    return {"knn": dict(res, pool=self.cfg.pool, layernorm=bool(self.cfg.layernorm))}
+
+  def run(self, params) -> Dict[str, float]:
+    res = self.evaluate(params)["knn"]
     out = {"knn/top1": res["top1"]}
     if "top5" in res:
       out["knn/top5"] = res["top5"]
     return out
+
+
+# config.evals section name -> evaluator class (the order of the report).
+MAE_EVALUATORS = {"knn": KnnEvaluator, "linear": evaluators_lib.LinearEvaluator,
+                  "layers": evaluators_lib.LayerwiseEvaluator, "rank": evaluators_lib.RankEvaluator}
 
 
 class Evaluators:
@@ -109,10 +96,31 @@ class Evaluators:
     return out
 
 
+def build(config, task, mesh, names=None) -> Dict[str, Any]:
+  """The MAE evaluators of ``config.evals``: the enabled ones, or exactly ``names`` if given.
+
+  Raises:
+    ValueError: a name that is not an evaluator, or one without a ``config.evals`` section.
+  """
+  if config.task != "mae":
+    if names:
+      raise ValueError(f"task={config.task!r} is not allowed; the evaluators need task='mae'")
+    return {}
+  for name in names or ():
+    if name not in MAE_EVALUATORS:
+      raise ValueError(f"evals={name!r} is not allowed; choose from "
+                       f"{', '.join(map(repr, MAE_EVALUATORS))}")
+    if name not in config.evals:
+      raise ValueError(f"evals={name!r} is not allowed; config.evals has no {name!r} section")
+  wanted = names or [n for n in MAE_EVALUATORS if n in config.evals and config.evals[n].enabled]
+  out = {}
+  for name in wanted:
+    out[name] = MAE_EVALUATORS[name](config.evals[name], task, config.data, mesh)
+  return out
+
+
 def from_config(config, task, mesh) -> Evaluators:
-  evaluators = {}
-  if config.task == "mae" and "knn" in config.evals and config.evals.knn.enabled:
-    evaluators["knn"] = KnnEvaluator(config.evals.knn, task, config.data, mesh)
+  evaluators = build(config, task, mesh)
   pictures = None
   if config.picture_every_steps:
     split = config.evals.knn.eval_split if "knn" in config.evals else config.data.eval_split

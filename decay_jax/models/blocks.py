@@ -23,11 +23,26 @@ def decayed_update(x, alpha, branch, branch_scale: float):
   return alpha * x + branch.astype(x.dtype)
 
 
+def sow_branch_norms(module: nn.Module, name: str, x, alpha, branch, branch_scale: float) -> None:
+  """Records ``(mean_t ||branch_scale f(x)_t||, mean_t ||alpha x_t||)`` per example, ``(N, 2)``.
+
+  Only when the caller made ``'intermediates'`` mutable (``decay_jax.evals.branches``); otherwise
+  nothing is computed, so training and the parity tests see exactly the same program.
+  """
+  if not module.is_mutable_collection("intermediates"):
+    return
+  f = jnp.linalg.norm((branch_scale * branch).astype(jnp.float32), axis=-1).mean(axis=-1)
+  ident = jnp.linalg.norm((alpha * x).astype(jnp.float32), axis=-1).mean(axis=-1)
+  module.sow("intermediates", name, jnp.stack([f, ident], axis=-1))
+
+
 class MAEBlock(nn.Module):
   """Pre-norm ViT block of the official decayed MAE (official_facts.md 1.5).
 
   ``x <- a_attn x + Attn(LN1(x)); x <- a_mlp x + MLP(LN2(x))`` with affine LN (eps 1e-6), qkv bias,
   exact-erf GELU, and ``attn.proj`` / ``mlp.fc2`` weights zero-initialised. Input ``(N, T, C)``.
+  With ``'intermediates'`` mutable it also sows ``attn_norms`` and ``mlp_norms``, each ``(N, 2)``:
+  the mean token norm of the branch and of the scaled identity (see ``sow_branch_norms``).
   """
   num_heads: int
   mlp_ratio: float = 4.0
@@ -41,10 +56,12 @@ class MAEBlock(nn.Module):
     h = layers.layer_norm("norm1")(x)
     h = layers.Attention(self.num_heads, self.dtype, proj_init=layers.zeros,
                          implementation=self.attention_impl, name="attn")(h)
+    sow_branch_norms(self, "attn_norms", x, alpha[0], h, self.branch_scale)
     x = decayed_update(x, alpha[0], h, self.branch_scale)
     h = layers.layer_norm("norm2")(x)
     h = layers.Mlp(int(c * self.mlp_ratio), approximate_gelu=False, dtype=self.dtype,
                    fc2_init=layers.zeros, name="mlp")(h)
+    sow_branch_norms(self, "mlp_norms", x, alpha[1], h, self.branch_scale)
     x = decayed_update(x, alpha[1], h, self.branch_scale)
     return x, x
 

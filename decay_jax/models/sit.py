@@ -161,6 +161,7 @@ SIT_SIZES = {
     "L": dict(depth=24, dim=1024, num_heads=16),
     "B": dict(depth=12, dim=768, num_heads=12),
     "S": dict(depth=12, dim=384, num_heads=6),
+    "mnist": dict(depth=8, dim=128, num_heads=4),  # the CPU config on the embedded digits
     "micro": dict(depth=4, dim=32, num_heads=2),
 }
 SIT_PRESETS = {f"{size}/{p}": dict(patch_size=p, **cfg)

@@ -28,6 +28,7 @@ def _common(task: str) -> mlc.ConfigDict:
   c.accum_steps = 1  # microbatches per step (the batch is split inside the jitted step)
   c.num_epochs = 1.0
   c.num_train_steps = -1  # > 0 overrides num_epochs
+  c.ema_decay = 0.0  # > 0 keeps an EMA of the parameters in the train state (SiT: 0.9999)
   c.warmup_epochs = 0.0
   c.mesh = mlc.ConfigDict(dict(data=-1, fsdp=1))
   c.checkpoint = mlc.ConfigDict(dict(every_steps=1000, keep=3, keep_every_steps=0,
@@ -71,6 +72,23 @@ def mae_config() -> mlc.ConfigDict:
                                     layernorm=False, train_split="train", eval_split="validation",
                                     max_train_examples=100_000, max_eval_examples=0,
                                     batch_size=256))
+  # Representation evaluators (decay_jax.evals.evaluators; protocols in evals/linear_probe.py).
+  # The probes are off during training (run `python -m decay_jax.evaluate`); the rank pass (effective
+  # rank per block, branch ratios per sublayer) is one forward over num_images images.
+  c.evals.linear = mlc.ConfigDict(dict(
+      enabled=False, every_steps=0, protocols="official", features="mean,patch_mean_ln,cls_ln",
+      train_split="train", eval_split="validation", max_train_examples=100_000,
+      max_eval_examples=0, batch_size=256, seed=0,
+      official=dict(epochs=200, lr=1e-2, weight_decay=0.01, batch_size=256),
+      mae=dict(epochs=90, warmup_epochs=10.0, blr=0.1, batch_size=16384, momentum=0.9,
+               trust_coefficient=0.001, weight_decay=0.0, augment=True, crop_scale=(0.08, 1.0))))
+  c.evals.layers = mlc.ConfigDict(dict(
+      enabled=False, every_steps=0, feature="mean", k=20, temperature=0.07, probe_epochs=10,
+      probe_lr=1e-3, probe_batch_size=256, seed=0, train_split="train", eval_split="validation",
+      max_train_examples=50_000, max_eval_examples=10_000, batch_size=256))
+  c.evals.rank = mlc.ConfigDict(dict(
+      enabled=True, every_steps=5000, feature="mean", branch_ratios=True,
+      split="validation", num_images=2048, batch_size=256))
   return c
 
 
@@ -91,8 +109,23 @@ def sit_config() -> mlc.ConfigDict:
   c.data.crop_ratio = (1.0, 1.0)
   c.batch_size = 256
   c.num_train_steps = 400_000
+  c.ema_decay = 0.9999
   c.optim = mlc.ConfigDict(dict(base_lr=0.0, lr=1e-4, schedule="constant", b1=0.9, b2=0.999,
                                 eps=1e-8, weight_decay=0.0, min_lr=0.0, grad_clip_norm=0.0))
+  c.transport = mlc.ConfigDict(dict(path_type="linear", prediction="velocity",
+                                    loss_weight=mlc.FieldReference(None, field_type=str),
+                                    train_eps=mlc.FieldReference(None, field_type=float),
+                                    sample_eps=mlc.FieldReference(None, field_type=float)))
+  # Sampling: the monitoring grid during training and the defaults of decay_jax.sample. The
+  # official in-training samples use ODE dopri5 with CFG 4.0; the official FID sampler CFG 1.0.
+  c.sample = mlc.ConfigDict(dict(mode="ode", method="heun", num_steps=50, atol=1e-6, rtol=1e-3,
+                                 cfg_scale=4.0, cfg_channels=3, cfg_interval=(0.0, 1.0),
+                                 diffusion_form="sigma", diffusion_norm=1.0, last_step="Mean",
+                                 last_step_size=0.04, grid_size=16, batch_size=64))
+  c.picture_every_steps = 10_000
+  c.checkpoint.every_steps = 5000
+  c.checkpoint.keep_every_steps = 50_000
+  c.log_every_steps = 100
   return c
 
 
@@ -151,5 +184,8 @@ def validate(config) -> None:
   schedules.check_choice("optim.schedule", config.optim.schedule, ("warmup_cosine", "constant"))
   if not (config.optim.get("lr") or config.optim.base_lr > 0):
     raise ValueError("optim.lr or optim.base_lr must be > 0")
+  if not 0.0 <= config.ema_decay < 1.0:
+    raise ValueError(f"ema_decay={config.ema_decay!r} is not allowed; it must be in [0, 1) "
+                     "(0 = no EMA)")
   if not math.isfinite(config.optim.weight_decay) or config.optim.weight_decay < 0:
     raise ValueError(f"optim.weight_decay={config.optim.weight_decay!r} must be >= 0")

@@ -1,7 +1,9 @@
 """The jitted training step and the sharded creation of the train state.
 
-Train state (a plain dict, checkpointed as is): ``params``, ``opt_state``, ``step`` (int32) and
-``rng`` (raw key data). The RNG of step ``s`` is ``fold_in(rng, s)``, so a resumed run draws the
+Train state (a plain dict, checkpointed as is): ``params``, ``opt_state``, ``step`` (int32),
+``rng`` (raw key data) and, when an EMA decay is set, ``ema`` (the exponential moving average of
+the parameters, an exact copy at step 0, then ``ema <- d * ema + (1 - d) * params`` after every
+optimiser step, as the official SiT ``update_ema``). The RNG of step ``s`` is ``fold_in(rng, s)``, so a resumed run draws the
 same masks and noise as an uninterrupted one. Gradient accumulation runs inside the step as a
 ``lax.scan`` over microbatches: one call consumes the whole effective batch, and memory holds the
 activations of one microbatch only.
@@ -19,32 +21,43 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from decay_jax import sharding as shd
 
 
-def abstract_state(task, tx, seed: int):
+def abstract_state(task, tx, seed: int, ema: bool = False):
   """Shapes and dtypes of the train state, without allocating it."""
-  return jax.eval_shape(lambda: init_state(task, tx, seed))
+  return jax.eval_shape(lambda: init_state(task, tx, seed, ema))
 
 
-def init_state(task, tx, seed: int) -> Dict[str, Any]:
+def init_state(task, tx, seed: int, ema: bool = False) -> Dict[str, Any]:
   rng = jax.random.key(seed)
   params = task.model.init(jax.random.fold_in(rng, 0), *task.init_inputs(1))["params"]
-  return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
-          "rng": jax.random.key_data(jax.random.fold_in(rng, 1))}
+  state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+           "rng": jax.random.key_data(jax.random.fold_in(rng, 1))}
+  if ema:
+    state["ema"] = jax.tree_util.tree_map(jnp.copy, params)
+  return state
 
 
 def state_shardings(abstract, tx, mesh):
-  """FSDP shardings for params and the parameter-shaped parts of the optimiser state."""
+  """FSDP shardings for params (and their EMA) and the parameter-shaped optimiser state."""
   params = shd.param_shardings(abstract["params"], mesh)
   repl = shd.replicated(mesh)
   opt = optax.tree_map_params(tx, lambda _, s: s, abstract["opt_state"], params,
                               transform_non_params=lambda _: repl)
-  return {"params": params, "opt_state": opt, "step": repl, "rng": repl}
+  out = {"params": params, "opt_state": opt, "step": repl, "rng": repl}
+  if "ema" in abstract:
+    out["ema"] = params
+  return out
 
 
-def create_state(task, tx, seed: int, mesh):
+def create_state(task, tx, seed: int, mesh, ema: bool = False):
   """The train state, born sharded: shape-first init, then ``jit(init, out_shardings=...)``."""
-  abstract = abstract_state(task, tx, seed)
+  abstract = abstract_state(task, tx, seed, ema)
   shardings = state_shardings(abstract, tx, mesh)
-  return jax.jit(lambda: init_state(task, tx, seed), out_shardings=shardings)(), shardings
+  return jax.jit(lambda: init_state(task, tx, seed, ema), out_shardings=shardings)(), shardings
+
+
+def ema_update(ema, params, decay: float):
+  """``decay * ema + (1 - decay) * params`` leaf by leaf (official ``update_ema``)."""
+  return jax.tree_util.tree_map(lambda e, p: e * decay + p * (1.0 - decay), ema, params)
 
 
 def _split_microbatches(batch, accum: int):
@@ -56,7 +69,7 @@ def _split_microbatches(batch, accum: int):
   return jax.tree_util.tree_map(split, batch)
 
 
-def make_train_step(task, tx, schedule: Callable, accum_steps: int = 1):
+def make_train_step(task, tx, schedule: Callable, accum_steps: int = 1, ema_decay: float = 0.0):
   """``step(state, batch) -> (state, metrics)``; metrics are float32 scalars (means over the batch)."""
 
   def grads_of(params, batch, rng):
@@ -89,6 +102,8 @@ def make_train_step(task, tx, schedule: Callable, accum_steps: int = 1):
     metrics["lr"] = schedule(state["step"])
     new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1,
                  "rng": state["rng"]}
+    if "ema" in state:
+      new_state["ema"] = ema_update(state["ema"], new_params, ema_decay)
     return new_state, jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), metrics)
 
   return step

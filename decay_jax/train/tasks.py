@@ -3,20 +3,22 @@
 The trainer (``decay_jax.train.trainer``) is one loop; a task supplies
   * ``model`` and ``init_inputs(batch)``: the Flax module and the arguments of its ``init``;
   * ``loss(params, batch, rng) -> (loss, metrics)``: the per-microbatch objective;
-  * ``picture(params, batch, rng) -> uint8 (H, W, 3)``: an image grid for monitoring;
+  * ``picture(params, batch, rng) -> uint8 (H, W, 3)``: an image grid for monitoring (MAE:
+    reconstructions of ``batch``; SiT: samples, ``batch`` unused);
   * ``train_flops_per_example()``: model FLOPs of one training example (forward + backward).
 Batches are dicts: ``image (N, H, W, C)`` float32 and ``label (N,)`` int32.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decay_jax import flops, layers
+from decay_jax import flops, layers, samplers
+from decay_jax import transport as transport_lib
 from decay_jax.models import mae as mae_lib
 from decay_jax.models import sit as sit_lib
 
@@ -41,6 +43,8 @@ def grid(rows, pad: int = 2) -> np.ndarray:
 class MAETask:
   """Masked-autoencoder pretraining (official_facts.md 1 and 2)."""
   name = "mae"
+  picture_needs_batch = True  # reconstructions of fixed evaluation images
+  picture_name = "reconstruction"
 
   def __init__(self, model: mae_lib.MaskedAutoencoder, mean=(0.0,), std=(1.0,)):
     self.model = model
@@ -83,17 +87,26 @@ class MAETask:
 
 
 class SiTTask:
-  """Flow-matching training of SiT on the linear path (official_facts.md 5.1).
+  """Flow-matching training of SiT through ``decay_jax.transport`` (official_facts.md 5.1).
 
-  ``x_t = t x_1 + (1 - t) x_0``, ``x_0 ~ N(0, I)`` noise, ``x_1`` data, ``t ~ U[0, 1)``; the model
-  regresses the velocity ``x_1 - x_0``; labels are dropped to the null class with probability
-  ``class_dropout_prob`` (classifier-free guidance training).
+  Default (official) transport: linear path ``x_t = t x_1 + (1 - t) x_0`` with ``x_0 ~ N(0, I)``
+  noise and ``x_1`` data, ``t ~ U[0, 1]``, velocity target ``x_1 - x_0``; labels are dropped to the
+  null class with probability ``class_dropout_prob`` (classifier-free guidance training).
+  Metrics include the loss per quarter of the time interval.
   """
   name = "sit"
+  picture_needs_batch = False  # samples from fixed noise
+  picture_name = "samples"
+  BUCKETS = 4
 
-  def __init__(self, model: sit_lib.SiT, mean=(0.0,), std=(1.0,)):
+  def __init__(self, model: sit_lib.SiT, transport_cfg=None, sample_cfg=None, mean=(0.0,),
+               std=(1.0,)):
     self.model = model
+    cfg = dict(transport_cfg or {})
+    self.transport = transport_lib.Transport(**cfg)
+    self.sample_cfg = sample_cfg
     self.mean, self.std = mean, std
+    self._sample_fn = None
 
   def init_inputs(self, batch: int):
     m = self.model
@@ -103,18 +116,55 @@ class SiTTask:
   def loss(self, params, batch, rng):
     x1, y = batch["image"], batch["label"]
     k_t, k_noise, k_drop = jax.random.split(rng, 3)
-    t = jax.random.uniform(k_t, (x1.shape[0],))
+    t = self.transport.sample_time(k_t, x1.shape[0])
     x0 = jax.random.normal(k_noise, x1.shape)
-    tb = t[:, None, None, None]
-    xt = tb * x1 + (1 - tb) * x0
-    v = self.model.apply({"params": params}, xt, t, y, train=True, rngs={"label_drop": k_drop})
-    per_example = ((v - (x1 - x0)) ** 2).mean(axis=(1, 2, 3))
+    model_fn = lambda x, tt, y: self.model.apply({"params": params}, x, tt, y, train=True,
+                                                 rngs={"label_drop": k_drop})
+    per_example = self.transport.loss(model_fn, x1, x0, t, y=y)
     loss = per_example.mean()
-    return loss, {"loss": loss}
+    metrics = {"loss": loss}
+    bucket = jnp.clip((t * self.BUCKETS).astype(jnp.int32), 0, self.BUCKETS - 1)
+    for b in range(self.BUCKETS):
+      w = (bucket == b).astype(jnp.float32)
+      metrics[f"loss_by_t/{b / self.BUCKETS:.2f}-{(b + 1) / self.BUCKETS:.2f}"] = (
+          (per_example * w).sum() / jnp.maximum(w.sum(), 1.0))
+    return loss, metrics
 
-  def picture(self, params, batch, rng, num: int = 8) -> np.ndarray:
-    imgs = np.asarray(batch["image"][:num])
-    return grid([to_uint8(imgs, self.mean, self.std)])
+  def sample(self, params, noise, labels, rng, cfg=None):
+    """Images from noise ``(N, H, W, C)`` and labels ``(N,)`` with the sampler of ``cfg``
+    (default: this task's ``sample_cfg``). Classifier-free guidance when ``cfg_scale != 1``."""
+    c = cfg or self.sample_cfg
+    m = self.model
+    model_fn = lambda x, t, y: m.apply({"params": params}, x, t, y)
+    if c.cfg_scale != 1.0:
+      lo, hi = c.cfg_interval
+      model_fn = samplers.cfg_model_fn(model_fn, c.cfg_scale, m.num_classes,
+                                       channels=c.cfg_channels or None,
+                                       interval=None if (lo, hi) == (0.0, 1.0) else (lo, hi))
+    kwargs = {"y": labels}
+    if c.mode == "ode":
+      return samplers.sample_ode(self.transport, model_fn, noise, kwargs, method=c.method,
+                                 num_steps=c.num_steps, atol=c.atol, rtol=c.rtol)
+    return samplers.sample_sde(self.transport, model_fn, noise, rng, kwargs, method=c.method,
+                               diffusion_form=c.diffusion_form, diffusion_norm=c.diffusion_norm,
+                               last_step=c.last_step, last_step_size=c.last_step_size,
+                               num_steps=c.num_steps)
+
+  def picture(self, params, batch, rng, num: Optional[int] = None) -> np.ndarray:
+    """A grid of samples from fixed noise (from ``rng``) and labels ``0, 1, 2, ...``."""
+    m = self.model
+    n = num or self.sample_cfg.grid_size
+    noise = jax.random.normal(rng, (n, m.input_size, m.input_size, m.in_channels))
+    labels = jnp.arange(n) % m.num_classes
+    if self._sample_fn is None:
+      self._sample_fn = jax.jit(self.sample)
+    images = np.asarray(self._sample_fn(params, noise, labels, jax.random.fold_in(rng, 1)))
+    cols = int(np.ceil(np.sqrt(n)))
+    rows = [to_uint8(images[i:i + cols], self.mean, self.std) for i in range(0, n, cols)]
+    if rows[-1].shape[0] < cols:  # pad the last row with white tiles
+      pad = np.full((cols - rows[-1].shape[0],) + rows[-1].shape[1:], 255, np.uint8)
+      rows[-1] = np.concatenate([rows[-1], pad])
+    return grid(rows)
 
   def train_flops_per_example(self) -> float:
     return 3.0 * flops.sit_forward_flops(self.model)

@@ -36,8 +36,9 @@ class NonFiniteLossError(FloatingPointError):
 
 def make_task(config, model, info):
   mean, std = pipeline.normalization(config.data, info["channels"])
-  cls = tasks.MAETask if config.task == "mae" else tasks.SiTTask
-  return cls(model, mean=mean, std=std)
+  if config.task == "mae":
+    return tasks.MAETask(model, mean=mean, std=std)
+  return tasks.SiTTask(model, config.transport.to_dict(), config.sample, mean=mean, std=std)
 
 
 class _Preemption:
@@ -70,13 +71,13 @@ class _Preemption:
       signal.signal(signal.SIGTERM, self._previous)
 
 
-def _save_picture(workdir: str, step: int, picture: np.ndarray, writer) -> str:
+def _save_picture(workdir: str, step: int, picture: np.ndarray, writer, name: str) -> str:
   path = os.path.join(workdir, "pictures", f"step_{step:07d}.png")
   os.makedirs(os.path.dirname(path), exist_ok=True)
   scale = max(1, 384 // picture.shape[0])  # small images (28-px digits) are enlarged to be seen
   Image.fromarray(picture).resize((picture.shape[1] * scale, picture.shape[0] * scale),
                                   Image.Resampling.NEAREST).save(path)
-  writer.write_images(step, {"reconstruction": picture[None]})
+  writer.write_images(step, {name: picture[None]})
   return path
 
 
@@ -129,7 +130,8 @@ def train_and_evaluate(config, workdir: str) -> Dict[str, Any]:
   # Optimiser, train state (born sharded), checkpoints.
   # ---------------------------------------------------------------------------------------------
   tx, schedule = optim.make_optimizer(config.optim, config.batch_size, total_steps, warmup_steps)
-  abstract = step_lib.abstract_state(task, tx, config.seed)
+  use_ema = config.ema_decay > 0
+  abstract = step_lib.abstract_state(task, tx, config.seed, use_ema)
   shardings = step_lib.state_shardings(abstract, tx, mesh)
   ckpts = ckpt_lib.RunCheckpoints(workdir, config.checkpoint.keep,
                                   config.checkpoint.keep_every_steps, config.checkpoint.async_save)
@@ -139,7 +141,8 @@ def train_and_evaluate(config, workdir: str) -> Dict[str, Any]:
     logging.info("resumed from step %d (%d examples seen)", start, meta["examples_seen"])
   else:
     start, meta = 0, {}
-    state = jax.jit(lambda: step_lib.init_state(task, tx, config.seed), out_shardings=shardings)()
+    state = jax.jit(lambda: step_lib.init_state(task, tx, config.seed, use_ema),
+                    out_shardings=shardings)()
 
   # ---------------------------------------------------------------------------------------------
   # Input and the compiled step.
@@ -148,7 +151,8 @@ def train_and_evaluate(config, workdir: str) -> Dict[str, Any]:
                                          start_step=start, process_index=jax.process_index(),
                                          process_count=jax.process_count())
   train_step = step_lib.jit_train_step(
-      step_lib.make_train_step(task, tx, schedule, config.accum_steps), shardings, mesh)
+      step_lib.make_train_step(task, tx, schedule, config.accum_steps, config.ema_decay),
+      shardings, mesh)
   t0 = time.perf_counter()
   first = shd.global_batch_from_local(next(batches), mesh)
   compiled = train_step.lower(state, first).compile()
@@ -195,9 +199,11 @@ def train_and_evaluate(config, workdir: str) -> Dict[str, Any]:
         results.update(step=step, loss=scalars["loss"])
         window_start, window_steps = time.perf_counter(), 0
       if config.picture_every_steps and (step % config.picture_every_steps == 0 or last):
-        if fixed_pictures is not None and is_main:
-          _save_picture(workdir, step, task.picture(state["params"], fixed_pictures,
-                                                    jax.random.key(config.seed)), writer)
+        if is_main and (fixed_pictures is not None or not task.picture_needs_batch):
+          shown = state["ema"] if use_ema else state["params"]  # SiT samples with the EMA
+          _save_picture(workdir, step, task.picture(shown, fixed_pictures,
+                                                    jax.random.key(config.seed)), writer,
+                        task.picture_name)
       save_every = config.checkpoint.every_steps
       if (save_every and step % save_every == 0) or last or preempted:
         if history:

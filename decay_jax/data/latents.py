@@ -1,0 +1,135 @@
+"""Pre-extracted latent shards for latent-space SiT training (``dataset='latents:/dir'``).
+
+Format (written by the latent-extraction tool, or by ``write_shard`` below):
+
+    DIR/{split}_latents_{i:05d}.npy   float16 or float32, (n_i, H, W, C) or (n_i, 2, H, W, C)
+    DIR/{split}_labels_{i:05d}.npy    int32/int64, (n_i,)
+    DIR/meta.json                     optional: {"scale": 0.18215, "vae": "...", ...}
+
+Latents are stored already multiplied by the VAE scale (0.18215 for sd-vae-ft-ema), as the official
+SiT trains on ``vae.encode(x).latent_dist.sample() * 0.18215``. A 5-D array holds two versions of
+every image, the original and its horizontal flip (the official training flips images before the
+VAE); each time an example is drawn one version is chosen at random. Shards are memory-mapped, so
+ImageNet-size splits need no RAM to open, and any number of shards may be appended (extraction
+can resume). Order and flips are a pure function of (seed, global position): resuming at a step
+reproduces the uninterrupted stream exactly, as for the other in-memory sources.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from typing import Dict, Iterator, List
+
+import numpy as np
+
+PREFIX = "latents:"
+_SHARD_RE = re.compile(r"^(?P<split>[a-z]+)_latents_(?P<idx>\d{5})\.npy$")
+
+
+def path_of(dataset: str):
+  return dataset[len(PREFIX):] if dataset.startswith(PREFIX) else None
+
+
+class Split:
+  """A virtual concatenation of the memory-mapped shards of one split."""
+
+  def __init__(self, directory: str, split: str):
+    if not os.path.isdir(directory):
+      raise ValueError(f"dataset='{PREFIX}{directory}' is not allowed; the directory does not exist")
+    files = sorted(glob.glob(os.path.join(directory, f"{split}_latents_*.npy")))
+    if not files:
+      found = sorted({m.group("split") for f in os.listdir(directory)
+                      if (m := _SHARD_RE.match(f))})
+      raise ValueError(f"split={split!r} is not allowed; {directory} has shards for {found}")
+    self.latents = [np.load(f, mmap_mode="r") for f in files]
+    self.labels = [np.load(f.replace("_latents_", "_labels_")) for f in files]
+    for f, x, y in zip(files, self.latents, self.labels):
+      if x.ndim not in (4, 5) or len(x) != len(y):
+        raise ValueError(f"{f}: expected (n, H, W, C) or (n, 2, H, W, C) latents and n labels, "
+                         f"got {x.shape} and {y.shape}")
+    self.offsets = np.cumsum([0] + [len(y) for y in self.labels])
+    self.flipped = self.latents[0].ndim == 5
+    self.shape = self.latents[0].shape[-3:]
+
+  def __len__(self) -> int:
+    return int(self.offsets[-1])
+
+  def gather(self, indices: np.ndarray, versions: np.ndarray) -> Dict[str, np.ndarray]:
+    """Rows ``indices`` (global), using version ``versions`` (0 original, 1 flipped) if present."""
+    shard = np.searchsorted(self.offsets, indices, side="right") - 1
+    out = np.empty((len(indices),) + self.shape, np.float32)
+    labels = np.empty((len(indices),), np.int32)
+    for s in np.unique(shard):
+      rows = np.nonzero(shard == s)[0]
+      local = indices[rows] - self.offsets[s]
+      order = np.argsort(local)  # sorted reads are much faster on memory-mapped files
+      x = self.latents[s][local[order]]
+      if self.flipped:
+        x = x[np.arange(len(order)), versions[rows][order]]
+      out[rows[order]] = x
+      labels[rows[order]] = self.labels[s][local[order]]
+    return {"image": out, "label": labels}
+
+
+def _labels(split: Split) -> np.ndarray:
+  return np.concatenate(split.labels)
+
+
+def dataset_info(data_cfg) -> dict:
+  split = Split(path_of(data_cfg.dataset), data_cfg.train_split)
+  if split.shape[0] != data_cfg.image_size:
+    raise ValueError(f"image_size={data_cfg.image_size} is not allowed; the latents are "
+                     f"{split.shape[0]}x{split.shape[1]} (set data.image_size={split.shape[0]})")
+  return {"num_train": len(split), "num_classes": int(_labels(split).max()) + 1,
+          "channels": int(split.shape[-1]), "image_size": int(split.shape[0])}
+
+
+def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+  return np.random.default_rng(np.random.SeedSequence([seed, 7, epoch])).permutation(n)
+
+
+def make_train_iterator(data_cfg, global_batch: int, seed: int, start_step: int = 0,
+                        process_index: int = 0, process_count: int = 1) -> Iterator[dict]:
+  """``{'image': float32 (B/P, H, W, C), 'label': int32 (B/P,)}`` batches, exactly resumable."""
+  split = Split(path_of(data_cfg.dataset), data_cfg.train_split)
+  n, local = len(split), global_batch // process_count
+  perms: Dict[int, np.ndarray] = {}
+  step = start_step
+  while True:
+    first = step * global_batch + process_index * local
+    positions = np.arange(first, first + local, dtype=np.int64)
+    epochs = positions // n
+    for e in np.unique(epochs):
+      if e not in perms:
+        perms = {k: v for k, v in perms.items() if k >= e - 1}
+        perms[int(e)] = _permutation(seed, int(e), n)
+    indices = np.array([perms[int(e)][p % n] for e, p in zip(epochs, positions)], np.int64)
+    versions = np.array([np.random.default_rng(np.random.SeedSequence([seed, 8, int(p)]))
+                         .integers(0, 2) for p in positions], np.int64)
+    if not data_cfg.flip:
+      versions[:] = 0
+    yield split.gather(indices, versions)
+    step += 1
+
+
+def load_eval_arrays(data_cfg, split_name: str) -> Dict[str, np.ndarray]:
+  split = Split(path_of(data_cfg.dataset), split_name)
+  n = len(split) if data_cfg.max_eval_examples is None else min(len(split), data_cfg.max_eval_examples)
+  idx = np.arange(n, dtype=np.int64)
+  return split.gather(idx, np.zeros(n, np.int64))
+
+
+def write_shard(directory: str, split: str, index: int, latents: np.ndarray,
+                labels: np.ndarray) -> List[str]:
+  """Writes one shard in the format above (atomically: temporary name, then rename)."""
+  os.makedirs(directory, exist_ok=True)
+  paths = []
+  for kind, arr in (("labels", np.asarray(labels)), ("latents", np.asarray(latents))):
+    final = os.path.join(directory, f"{split}_{kind}_{index:05d}.npy")
+    tmp = final + ".tmp.npy"
+    np.save(tmp, arr)
+    os.replace(tmp, final)
+    paths.append(final)
+  return paths

@@ -1,0 +1,272 @@
+"""Representation evaluators built from ``config.evals.<name>``: linear probes, per-block probes,
+effective rank and branch ratios (KNN lives in ``evals.runner``).
+
+Each evaluator has ``every_steps`` (0 = only at the end of training), ``evaluate(params) -> dict``
+(JSON-able sections for the report of ``decay_jax.evaluate``) and ``run(params) -> dict`` (flat
+scalars for TensorBoard). The same objects run inside training and on any checkpoint, so the
+numbers of a report and of a training run are computed by the same code.
+
+Evaluators that pool block outputs also have ``requests()`` (the images, feature choices and blocks
+they will pool) and a ``cache`` attribute: ``decay_jax.evaluate`` gives all evaluators of a model
+one ``features.FeatureCache`` so that each image set goes through the encoder once.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from typing import Dict
+
+import jax
+import ml_collections
+import numpy as np
+
+from decay_jax import sharding as shd
+from decay_jax.data import pipeline
+from decay_jax.evals import branches, features, layerwise, linear_probe, rank
+
+PROTOCOLS = ("official", "mae")
+
+
+def load_split(data_cfg, split: str, max_examples: int) -> Dict[str, np.ndarray]:
+  """The first ``max_examples`` (0: all) images of ``split``, resized without augmentation.
+
+  Returns read-only arrays ``{'image': (N, S, S, C) float32, 'label': (N,) int32}``, shared by all
+  evaluators that ask for the same data (KNN, linear and per-block probes read the same training
+  images once). The images live in host memory: ``max_examples`` bounds it (224 px: 0.6 MB each).
+  """
+  _check_count("max_examples", max_examples, 0)
+  cfg = data_cfg.copy_and_resolve_references()
+  with cfg.unlocked():
+    cfg.max_eval_examples = int(max_examples) or None
+  return _load_cached(cfg.to_json(), split)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_cached(data_json: str, split: str) -> Dict[str, np.ndarray]:
+  arrays = pipeline.load_eval_arrays(ml_collections.ConfigDict(json.loads(data_json)), split)
+  for a in arrays.values():
+    a.setflags(write=False)
+  return arrays
+
+
+def _num_classes(*label_arrays) -> int:
+  return int(max(int(np.max(y)) for y in label_arrays)) + 1
+
+
+def _block_scalars(prefix: str, values) -> Dict[str, float]:
+  return {f"{prefix}/block_{i:02d}": float(v) for i, v in enumerate(values)}
+
+
+def _check_flag(field: str, value) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"{field}={value!r} is not allowed; it must be True or False")
+  return bool(value)
+
+
+def _check_count(field: str, value, minimum: int = 1) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    raise ValueError(f"{field}={value!r} is not allowed; it must be an integer >= {minimum}")
+  return int(value)
+
+
+def pooled(evaluator, params, images: np.ndarray, choices, layers) -> np.ndarray:
+  """``(N, L, P, D)`` features through the evaluator's cache when it has one for ``params``,
+  otherwise with ``evaluator.fn`` (compiled once per evaluator: no recompilation during training).
+  """
+  cache = getattr(evaluator, "cache", None)
+  if cache is not None and cache.params is params:
+    return cache.pooled(images, choices, layers)
+  return features.extract(evaluator.fn, params, images, evaluator.mesh, evaluator.cfg.batch_size)
+
+
+def parse_protocols(spec: str) -> tuple:
+  names = tuple(s.strip() for s in str(spec).split(",") if s.strip())
+  if not names or any(n not in PROTOCOLS for n in names):
+    raise ValueError(f"evals.linear.protocols={spec!r} is not allowed; give a comma-separated "
+                     f"subset of {', '.join(map(repr, PROTOCOLS))}")
+  return names
+
+
+class LinearEvaluator:
+  """Linear probes of the last encoder block (``config.evals.linear``; protocols in
+  ``evals.linear_probe``), one head per feature choice, all trained together."""
+
+  def __init__(self, cfg, task, data_cfg, mesh):
+    self.cfg, self.mesh, self.data_cfg = cfg, mesh, data_cfg
+    self.every_steps = cfg.every_steps
+    self.protocols = parse_protocols(cfg.protocols)
+    self.choices = features.parse_choices(cfg.features, "evals.linear.features")
+    self.model = task.model
+    self.train = load_split(data_cfg, cfg.train_split, cfg.max_train_examples)
+    self.test = load_split(data_cfg, cfg.eval_split, cfg.max_eval_examples)
+    self.num_classes = _num_classes(self.train["label"], self.test["label"])
+    self.layers = (self.model.depth - 1,)
+    self.fn = features.pooled_fn(self.model, self.choices, self.layers)
+    self.cache = None
+
+  def requests(self):
+    return [(d["image"], self.choices, self.layers) for d in (self.train, self.test)]
+
+  def _features(self, params, arrays) -> np.ndarray:
+    """(N, P, D) pooled last-block features of every choice."""
+    return pooled(self, params, arrays["image"], self.choices, self.layers)[:, 0]
+
+  def _augmented_batches(self, params):
+    """``(batches(epoch), steps_per_epoch)`` recomputing features from augmented images."""
+    m = self.cfg.mae
+    aug = self.data_cfg.copy_and_resolve_references()
+    with aug.unlocked():
+      n = self.cfg.max_train_examples
+      aug.train_split = f"{self.cfg.train_split}[:{n}]" if n else self.cfg.train_split
+      aug.crop_scale = tuple(m.crop_scale)
+      aug.flip = True
+    steps = pipeline.dataset_info(aug)["num_train"] // m.batch_size
+    if steps < 1:
+      raise ValueError(f"evals.linear.mae.batch_size={m.batch_size} is not allowed; it must be at "
+                       f"most the number of training images")
+    stream = pipeline.make_train_iterator(aug, m.batch_size, self.cfg.seed,
+                                          process_index=jax.process_index(),
+                                          process_count=jax.process_count())
+    feats = jax.jit(self.fn)
+
+    def batches(epoch: int):
+      del epoch  # the stream continues across epochs; an epoch is `steps` iterations of it
+      for _ in range(steps):
+        b = shd.global_batch_from_local(next(stream), self.mesh)
+        yield feats(params, b["image"])[:, 0], b["label"]
+
+    return batches, steps
+
+  def evaluate(self, params) -> Dict[str, dict]:
+    train_x, test_x = self._features(params, self.train), self._features(params, self.test)
+    out = {"features": list(self.choices), "block": self.model.depth - 1,
+           "num_train": int(train_x.shape[0]), "num_test": int(test_x.shape[0])}
+    by_choice = lambda res: {c: {k: v[i] for k, v in res.items() if isinstance(v, list)}
+                             for i, c in enumerate(self.choices)}
+    if "official" in self.protocols:
+      o = self.cfg.official
+      res = linear_probe.official_probe(train_x, self.train["label"], test_x, self.test["label"],
+                                        self.num_classes, epochs=o.epochs, lr=o.lr,
+                                        weight_decay=o.weight_decay, batch_size=o.batch_size,
+                                        seed=self.cfg.seed)
+      out["official"] = {"settings": o.to_dict(), "results": by_choice(res)}
+    if "mae" in self.protocols:
+      m = self.cfg.mae
+      if m.augment:
+        batches, steps = self._augmented_batches(params)
+      else:
+        batches = linear_probe.epoch_batches(train_x, self.train["label"], m.batch_size,
+                                             self.cfg.seed)
+        steps = train_x.shape[0] // m.batch_size
+      log = lambda e, acc: logging.info("linear probe (mae) epoch %d: top1 %s", e,
+                                        np.round(acc["top1"], 4).tolist())
+      res = linear_probe.mae_probe(
+          batches, test_x, self.test["label"], self.num_classes, steps_per_epoch=steps,
+          epochs=m.epochs, warmup_epochs=m.warmup_epochs, blr=m.blr, batch_size=m.batch_size,
+          momentum=m.momentum, trust_coefficient=m.trust_coefficient,
+          weight_decay=m.weight_decay, seed=self.cfg.seed, on_epoch=log)
+      settings = dict(m.to_dict(), lr=res["lr"], steps_per_epoch=steps)
+      settings["crop_scale"] = list(settings["crop_scale"])
+      out["mae"] = {"settings": settings, "results": by_choice(res)}
+    return {"linear": out}
+
+  def run(self, params) -> Dict[str, float]:
+    lin = self.evaluate(params)["linear"]
+    scalars = {}
+    for protocol in self.protocols:
+      for choice, res in lin[protocol]["results"].items():
+        for key in ("top1", "top5", "top1_last"):
+          if key in res:
+            scalars[f"linear/{protocol}/{choice}/{key}"] = float(res[key])
+    return scalars
+
+
+class LayerwiseEvaluator:
+  """KNN and the fast linear probe on every encoder block (``config.evals.layers``)."""
+
+  def __init__(self, cfg, task, data_cfg, mesh):
+    self.cfg, self.mesh = cfg, mesh
+    self.every_steps = cfg.every_steps
+    features.parse_choice(cfg.feature)
+    self.model = task.model
+    self.train = load_split(data_cfg, cfg.train_split, cfg.max_train_examples)
+    self.test = load_split(data_cfg, cfg.eval_split, cfg.max_eval_examples)
+    self.num_classes = _num_classes(self.train["label"], self.test["label"])
+    self.fn = features.pooled_fn(self.model, (cfg.feature,))
+    self.cache = None
+
+  def requests(self):
+    return [(d["image"], (self.cfg.feature,), None) for d in (self.train, self.test)]
+
+  def evaluate(self, params) -> Dict[str, dict]:
+    get = lambda d: pooled(self, params, d["image"], (self.cfg.feature,), None)[:, :, 0]
+    out = layerwise.layer_curves(
+        get(self.train), self.train["label"], get(self.test), self.test["label"],
+        self.num_classes, k=self.cfg.k, temperature=self.cfg.temperature,
+        probe_epochs=self.cfg.probe_epochs, probe_lr=self.cfg.probe_lr,
+        probe_batch_size=self.cfg.probe_batch_size, seed=self.cfg.seed)
+    out["feature"] = self.cfg.feature
+    return {"layers": out}
+
+  def run(self, params) -> Dict[str, float]:
+    lay = self.evaluate(params)["layers"]
+    scalars = {}
+    for key in ("knn_top1", "linear_top1"):
+      scalars.update(_block_scalars(f"layers/{key}", lay[key]))
+    for probe in ("knn", "linear"):
+      scalars[f"layers/{probe}_best_block"] = float(lay[probe]["best_block"])
+    return scalars
+
+
+class RankEvaluator:
+  """Effective rank per block (``evals.rank``) and branch ratios per sublayer
+  (``evals.branches``), from one encoder pass over ``num_images`` images of ``split``
+  (``config.evals.rank``)."""
+
+  def __init__(self, cfg, task, data_cfg, mesh):
+    self.cfg, self.mesh = cfg, mesh
+    self.every_steps = cfg.every_steps
+    features.parse_choice(cfg.feature)
+    _check_count("evals.rank.num_images", cfg.num_images, 2)
+    self.with_branches = _check_flag("evals.rank.branch_ratios", cfg.branch_ratios)
+    self.model = model = task.model
+    self.images = load_split(data_cfg, cfg.split, cfg.num_images)["image"]
+    choice = (cfg.feature,)
+
+    def fn(params, images):
+      if self.with_branches:
+        tokens, norms = branches.features_and_norms(model, params, images)
+      else:
+        tokens = model.apply({"params": params}, images, method=model.features)
+      out = {"token_rho": rank.entropy_rank(tokens).T,  # (N, L)
+             "token_rho_centred": rank.entropy_rank(tokens, center=True).T,
+             "pooled": features.pool_all(tokens, choice)[:, :, 0]}  # (N, L, D)
+      if self.with_branches:
+        out["norms"] = norms
+      return out
+
+    self.fn = fn
+
+  def evaluate(self, params) -> Dict[str, dict]:
+    res = features.extract(self.fn, params, self.images, self.mesh, self.cfg.batch_size)
+    num_tokens = self.model.num_patches + 1
+    out = {"rank": dict(rank.summarize(res["token_rho"], res["token_rho_centred"], res["pooled"],
+                                       num_tokens), feature=self.cfg.feature)}
+    if self.with_branches:
+      out["branches"] = branches.summarize(res["norms"], branches.model_alphas(self.model, params),
+                                           self.model.shortcuts.branch_scale)
+    return out
+
+  def run(self, params) -> Dict[str, float]:
+    res = self.evaluate(params)
+    scalars = {}
+    for key in ("tokens_erank", "pooled_erank", "tokens_rho", "pooled_rho", "tokens_erank_centred",
+                "pooled_erank_centred"):
+      scalars.update(_block_scalars(f"rank/{key}", res["rank"][key]))
+    if "branches" in res:
+      ratio = np.asarray(res["branches"]["ratio"])
+      scalars.update(_block_scalars("branches/ratio_attn", ratio[:, 0]))
+      scalars.update(_block_scalars("branches/ratio_mlp", ratio[:, 1]))
+    return scalars
