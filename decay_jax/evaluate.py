@@ -55,79 +55,15 @@ _FSDP = flags.DEFINE_integer("fsdp", 1, "Devices that split each parameter (mesh
 # Configs and checkpoints
 
 
-def _overlay(base, saved: dict) -> None:
-  """Writes the values of a saved (JSON) config into ``base``, recursing into sections."""
-  for key, value in saved.items():
-    current = base.get(key) if key in base else None
-    if isinstance(value, dict) and hasattr(current, "items"):
-      _overlay(current, value)
-      continue
-    if isinstance(value, list) and isinstance(current, tuple):
-      value = tuple(value)
-    try:
-      base[key] = value
-    except TypeError:  # the saved type differs from today's default: the saved value wins
-      del base[key]
-      base[key] = value
-
-
 def run_config(workdir: str):
-  """The config a run was trained with (``workdir/config.json``) over today's MAE defaults."""
-  import ml_collections
-  from decay_jax.train import config as config_lib
-  path = os.path.join(workdir, "config.json")
-  if not os.path.isfile(path):
-    raise ValueError(f"workdir={workdir!r} is not allowed; it has no config.json (not a run of "
-                     "decay_jax.main or decay_jax.compare)")
-  with open(path) as f:
-    saved = json.load(f)
-  if saved.get("task") != "mae":
-    raise ValueError(f"workdir={workdir!r} is not allowed; its task is {saved.get('task')!r}, the "
-                     "evaluators need 'mae'")
-  base = config_lib.mae_config()
-  _overlay(base, saved)
-  return ml_collections.ConfigDict(base.to_dict())
-
-
-def checkpoint_steps(workdir: str) -> List[int]:
-  """Committed checkpoint steps of a run (orbax writes temporary names until a step is done)."""
-  root = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(root):
-    return []
-  return sorted(int(d) for d in os.listdir(root) if d.isdigit())
+  """The MAE config a run was trained with (see ``checkpoint.run_config``)."""
+  from decay_jax import checkpoint
+  return checkpoint.run_config(workdir, task="mae")
 
 
 def restore_run_params(workdir: str, mesh, step: int = -1, weights: str = "params"):
-  """``(params, step)`` of a training checkpoint, placed on ``mesh`` by the FSDP rule.
-
-  Only the ``weights`` subtree is read (orbax partial restore), so the optimiser state, whatever its
-  structure, is never needed.
-  """
-  import jax
-  import orbax.checkpoint as ocp
-  from decay_jax import sharding as shd
-  steps = checkpoint_steps(workdir)
-  if not steps:
-    raise ValueError(f"workdir={workdir!r} is not allowed; it has no checkpoint in checkpoints/")
-  step = steps[-1] if step < 0 else step
-  if step not in steps:
-    raise ValueError(f"step={step} is not allowed; {workdir!r} has steps {steps}")
-  path = os.path.join(workdir, "checkpoints", str(step), "state")
-  with ocp.StandardCheckpointer() as ckptr:
-    meta = ckptr.metadata(path).item_metadata
-  if weights not in meta:
-    raise ValueError(f"weights={weights!r} is not allowed; the checkpoint holds "
-                     f"{sorted(meta.keys())}")
-  abstract = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype),
-                                    dict(meta[weights]))
-  shardings = shd.param_shardings(abstract, mesh)
-  target = {weights: jax.tree_util.tree_map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)}
-  ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
-  out = ckptr.restore(path, args=ocp.args.PyTreeRestore(
-      item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-      partial_restore=True))
-  return out[weights], step
+  from decay_jax import checkpoint
+  return checkpoint.restore_run_params(workdir, mesh, step, weights)
 
 
 def run_model(config, params):

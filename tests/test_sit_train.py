@@ -1,7 +1,6 @@
 """SiT training end to end: a real step on tfds mock data, EMA exactness, resume with the EMA,
 device-count invariance, classifier-free guidance at scale 1, and the sample command."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,15 +15,13 @@ import tensorflow_datasets as tfds
 from decay_jax import checkpoint, samplers
 from decay_jax.train import config as config_lib
 from decay_jax.train import optim, step as step_lib, trainer
+from testing_configs import load_config, override
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny_sit_config(**overrides):
-  spec = importlib.util.spec_from_file_location("cfg", os.path.join(REPO, "configs", "sit_cpu_mnist.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config()
+  c = load_config("sit_cpu_mnist")
   c.model.preset = "micro/4"
   c.data.image_size = 16
   c.batch_size = 16
@@ -37,13 +34,7 @@ def tiny_sit_config(**overrides):
   c.mesh.data = 1
   c.sample.num_steps = 4
   c.sample.grid_size = 4
-  for k, v in overrides.items():
-    node = c
-    *path, last = k.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = v
-  return c
+  return override(c, **overrides)
 
 
 def restore_state(workdir, config):

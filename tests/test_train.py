@@ -19,16 +19,14 @@ from decay_jax import checkpoint as ckpt_lib
 from decay_jax import sharding as shd
 from decay_jax.train import config as config_lib
 from decay_jax.train import optim, step as step_lib, trainer
+from testing_configs import load_config, override
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny_config(**overrides):
   """The CPU config shrunk to the 'micro' model on 16-pixel digits: seconds per run."""
-  spec = importlib.util.spec_from_file_location("cfg", os.path.join(REPO, "configs", "mae_cpu_mnist.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config()
+  c = load_config("mae_cpu_mnist")
   c.model.preset = "micro/4"
   c.data.image_size = 16
   c.batch_size = 16
@@ -40,13 +38,7 @@ def tiny_config(**overrides):
   c.checkpoint.async_save = False
   c.evals.knn.enabled = False
   c.mesh.data = 1
-  for k, v in overrides.items():
-    node = c
-    *path, last = k.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = v
-  return c
+  return override(c, **overrides)
 
 
 def restore_params(workdir, config):
@@ -147,8 +139,8 @@ def test_every_config_builds_and_initialises_abstractly(path):
   c = mod.get_config()
   assert mod.__doc__ and "Command" in mod.__doc__ and "Expected" in mod.__doc__
   config_lib.validate(c)
-  info = {"image_size": c.data.image_size, "channels": 1 if "mnist" in path else 3,
-          "num_train": 1_281_167}
+  channels = 1 if "mnist" in path else 4 if c.data.dataset.startswith("latents:") else 3
+  info = {"image_size": c.data.image_size, "channels": channels, "num_train": 1_281_167}
   model = config_lib.build_model(c, info)
   mesh = shd.make_mesh(c.mesh.data, c.mesh.fsdp)
   shd.check_batch(c.batch_size, mesh, c.accum_steps)
