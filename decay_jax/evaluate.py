@@ -1,6 +1,6 @@
 """Evaluate the frozen encoder of trained or converted MAE checkpoints and write a report.
 
-    python -m decay_jax.evaluate --workdir=DIR [--workdir=DIR2 ...] [--evals=knn,linear,layers,rank]
+    python -m decay_jax.evaluate --workdir=DIR[,DIR2,...] [--evals=knn,linear,layers,rank]
     python -m decay_jax.evaluate --checkpoint=PARAMS_DIR --config=configs/mae_vit_b16.py \\
         --config.data.data_dir=$TFDS_DIR --config.evals.linear.protocols=official,mae
 
@@ -25,11 +25,10 @@ Writes ``OUT/evaluation.json``, ``OUT/report.md`` and the PNG plots; ``--out`` d
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 from absl import app, flags, logging
 from ml_collections import config_flags

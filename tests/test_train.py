@@ -37,6 +37,7 @@ def tiny_config(**overrides):
   c.checkpoint.every_steps = 3
   c.checkpoint.async_save = False
   c.evals.knn.enabled = False
+  c.evals.rank.enabled = False  # covered by tests/test_evaluate.py
   c.mesh.data = 1
   return override(c, **overrides)
 

@@ -240,17 +240,21 @@ class RankEvaluator:
         tokens, norms = branches.features_and_norms(model, params, images)
       else:
         tokens = model.apply({"params": params}, images, method=model.features)
-      out = {"token_rho": rank.entropy_rank(tokens).T,  # (N, L)
-             "token_rho_centred": rank.entropy_rank(tokens, center=True).T,
-             "pooled": features.pool_all(tokens, choice)[:, :, 0]}  # (N, L, D)
+      out = {"tokens": tokens, "pooled": features.pool_all(tokens, choice)[:, :, 0]}  # (N, L, D)
       if self.with_branches:
-        out["norms"] = norms
+        out["norms"] = norms  # (N, L, 2, 2)
       return out
 
-    self.fn = fn
+    def spectra(out):  # a second program: see features.extract(post=...)
+      tokens = out.pop("tokens")
+      return dict(out, token_rho=rank.entropy_rank(tokens).T,  # (N, L)
+                  token_rho_centred=rank.entropy_rank(tokens, center=True).T)
+
+    self.fn, self.post = fn, spectra
 
   def evaluate(self, params) -> Dict[str, dict]:
-    res = features.extract(self.fn, params, self.images, self.mesh, self.cfg.batch_size)
+    res = features.extract(self.fn, params, self.images, self.mesh, self.cfg.batch_size,
+                           post=self.post)
     num_tokens = self.model.num_patches + 1
     out = {"rank": dict(rank.summarize(res["token_rho"], res["token_rho_centred"], res["pooled"],
                                        num_tokens), feature=self.cfg.feature)}

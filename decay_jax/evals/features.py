@@ -45,26 +45,40 @@ def parse_choices(spec: str, field: str = "features") -> Tuple[str, ...]:
   return names
 
 
-def extract(fn, params, images: np.ndarray, mesh, batch_size: int):
+def extract(fn, params, images: np.ndarray, mesh, batch_size: int, post=None):
   """Applies ``fn(params, images) -> pytree of (n, ...)`` in sharded batches; numpy for all rows.
 
   The last batch is padded (and the padding dropped) so one compiled program serves every batch;
   each process feeds its slice of every batch and gets every row back.
 
   Args:
-    fn: a jittable function of ``(params, images (B, H, W, C))`` returning arrays with leading B.
+    fn: a jittable function of ``(params, images (B, H, W, C))`` returning arrays with leading B
+      (or, with ``post``, anything ``post`` takes).
     params: the parameters (any sharding).
     images: (N, H, W, C) host array.
     mesh: the device mesh; batches are split over all its devices.
     batch_size: images per call, rounded down to a multiple of the device count.
+    post: optional jittable function applied on device to ``fn``'s output as a second compiled
+      program, returning arrays with leading B. The rank evaluator needs it: with several CPU
+      devices, an SVD compiled into the same program as the encoder hangs (jax 0.10.2; not with
+      one device, nor as two programs), and fetching the tokens to the host would cost T x D
+      floats per image and block.
 
   Returns:
-    The pytree of ``fn`` with numpy leaves of leading size N.
+    The pytree of ``fn`` (or ``post``) with numpy leaves of leading size N.
   """
   n = images.shape[0]
   per = mesh.size
   batch_size = max(per, (batch_size // per) * per)
   jitted = jax.jit(fn)
+  if post is not None:
+    # The SVD of the rank evaluator hangs when XLA partitions it over several CPU devices (jax
+    # 0.10.2), even as a separate program: run it on one device.
+    one = mesh.devices.flat[0]
+    post_jit = jax.jit(post)
+    post_fn = lambda out: post_jit(jax.device_put(out, one))
+  else:
+    post_fn = lambda out: out
   pc, pi = jax.process_count(), jax.process_index()
   outs = []
   for start in range(0, n, batch_size):
@@ -74,7 +88,7 @@ def extract(fn, params, images: np.ndarray, mesh, batch_size: int):
       chunk = np.concatenate([chunk, np.zeros((batch_size - valid,) + chunk.shape[1:],
                                               chunk.dtype)], axis=0)
     local = chunk.reshape((pc, batch_size // pc) + chunk.shape[1:])[pi]
-    out = jitted(params, shd.global_batch_from_local(local, mesh))
+    out = post_fn(jitted(params, shd.global_batch_from_local(local, mesh)))
     if pc > 1:
       from jax.experimental import multihost_utils
       out = multihost_utils.process_allgather(out, tiled=True)
