@@ -59,10 +59,11 @@ def extract(fn, params, images: np.ndarray, mesh, batch_size: int, post=None):
     mesh: the device mesh; batches are split over all its devices.
     batch_size: images per call, rounded down to a multiple of the device count.
     post: optional jittable function applied on device to ``fn``'s output as a second compiled
-      program, returning arrays with leading B. The rank evaluator needs it: with several CPU
-      devices, an SVD compiled into the same program as the encoder hangs (jax 0.10.2; not with
-      one device, nor as two programs), and fetching the tokens to the host would cost T x D
-      floats per image and block.
+      program, returning arrays with leading B (the rank evaluator's SVD of the tokens, which
+      never leave the devices: fetching them would cost T x D floats per image). On CPU it runs
+      on one device: XLA's SVD partitioned over several CPU devices hangs (jax 0.10.2, in the
+      encoder's program and sometimes as a program of its own). On accelerators it stays
+      partitioned, so a multi-host mesh needs no gather.
 
   Returns:
     The pytree of ``fn`` (or ``post``) with numpy leaves of leading size N.
@@ -71,14 +72,15 @@ def extract(fn, params, images: np.ndarray, mesh, batch_size: int, post=None):
   per = mesh.size
   batch_size = max(per, (batch_size // per) * per)
   jitted = jax.jit(fn)
-  if post is not None:
-    # The SVD of the rank evaluator hangs when XLA partitions it over several CPU devices (jax
-    # 0.10.2), even as a separate program: run it on one device.
+  if post is None:
+    post_fn = lambda out: out
+  elif mesh.devices.flat[0].platform == "cpu" and mesh.size > 1:
+    # A partitioned SVD hangs on several CPU devices (see ``post`` above): one device does it.
     one = mesh.devices.flat[0]
     post_jit = jax.jit(post)
     post_fn = lambda out: post_jit(jax.device_put(out, one))
   else:
-    post_fn = lambda out: out
+    post_fn = jax.jit(post)
   pc, pi = jax.process_count(), jax.process_index()
   outs = []
   for start in range(0, n, batch_size):
