@@ -49,6 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from decay_jax.evals import knn
+
 HIGHEST = jax.lax.Precision.HIGHEST
 _EVAL_CHUNK = 4096
 
@@ -76,13 +78,7 @@ def _as_heads(field: str, x) -> jax.Array:
 
 
 def _check_labels(field: str, y, n: int, num_classes: int) -> jax.Array:
-  y = np.asarray(y)
-  if y.shape != (n,) or not np.issubdtype(y.dtype, np.integer):
-    raise ValueError(f"{field} has shape {y.shape} and dtype {y.dtype}; it must be ({n},) integers")
-  if y.min() < 0 or y.max() >= num_classes:
-    raise ValueError(f"{field} has values in [{y.min()}, {y.max()}]; they must lie in "
-                     f"[0, num_classes={num_classes})")
-  return jnp.asarray(y, jnp.int32)
+  return jnp.asarray(knn._labels(field, y, n, num_classes))
 
 
 def _check_batch(batch_size: int, n: int) -> int:
