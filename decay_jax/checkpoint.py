@@ -16,10 +16,14 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from decay_jax.models import inception as inception_lib
 from decay_jax.models import mae as mae_lib
 from decay_jax.models import sit as sit_lib
+from decay_jax.models import vae as vae_lib
 
-MODEL_CLASSES = {"MaskedAutoencoder": mae_lib.MaskedAutoencoder, "SiT": sit_lib.SiT}
+MODEL_CLASSES = {"MaskedAutoencoder": mae_lib.MaskedAutoencoder, "SiT": sit_lib.SiT,
+                 "AutoencoderKL": vae_lib.AutoencoderKL,
+                 "FIDInceptionV3": inception_lib.FIDInceptionV3}
 
 
 def model_fields(model) -> dict:

@@ -14,7 +14,11 @@ Writes into ``--out`` (default ``DIR/samples/step_<step>``): ``samples.npz`` wit
 ``(N, H, W, 3)`` and ``labels``, ``grid.png`` (the first ``--grid`` images) and ``info.json``.
 Pixel values follow the official rounding ``clip(127.5 x + 128, 0, 255)`` truncated to uint8, for
 models trained on ``[-1, 1]`` images. Latent models (``data.dataset=latents:...``) write the raw
-latents to ``latents.npz`` (decoding needs the VAE of the latent pipeline).
+latents to ``latents.npz``; with ``--vae=DIR`` (the converted VAE the latents were extracted with)
+each batch is also decoded, ``vae.decode(z / scaling_factor)``, on the same devices, and the
+pixels go to ``samples.npz`` as above (the official FID sampler):
+
+    python -m decay_jax.sample --workdir=DIR --num=50000 --vae=/data/sd_vae_ft_ema --cfg=1.0
 """
 
 import json
@@ -39,6 +43,7 @@ _LABELS = flags.DEFINE_enum("labels", "uniform", ["uniform", "cycle"], "Class la
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of noise and labels.")
 _GRID = flags.DEFINE_integer("grid", 64, "Images in grid.png.")
 _OUT = flags.DEFINE_string("out", None, "Output directory.")
+_VAE = flags.DEFINE_string("vae", None, "Latent runs: converted VAE directory to decode with.")
 
 
 def to_uint8_official(x):
@@ -64,6 +69,29 @@ def sample_config(base):
   return c
 
 
+def load_vae(directory, config, model):
+  """``(vae, params)`` of a converted VAE that fits the latents of the run (channels, scale)."""
+  from decay_jax import checkpoint
+  from decay_jax.data import latents as latents_lib
+  if not config.data.dataset.startswith(latents_lib.PREFIX):
+    raise ValueError(f"vae={directory!r} is not allowed; the run trained on "
+                     f"{config.data.dataset!r}, not on latents")
+  if not os.path.isfile(os.path.join(directory, "model.json")):
+    raise ValueError(f"vae={directory!r} is not allowed; it is not a converted VAE directory")
+  vae, params = checkpoint.load_params(directory)
+  if type(vae).__name__ != "AutoencoderKL" or vae.latent_channels != model.in_channels:
+    raise ValueError(f"vae={directory!r} is not allowed; it is not a VAE with "
+                     f"{model.in_channels} latent channels")
+  meta = os.path.join(latents_lib.path_of(config.data.dataset), "meta.json")
+  if os.path.isfile(meta):
+    with open(meta) as f:
+      scale = json.load(f).get("scale")
+    if scale is not None and abs(scale - vae.scaling_factor) > 1e-9:
+      raise ValueError(f"vae={directory!r} is not allowed; its scaling_factor "
+                       f"{vae.scaling_factor} differs from the latents' scale {scale}")
+  return vae, params
+
+
 def main(argv):
   del argv
   from decay_jax import logs
@@ -86,6 +114,7 @@ def main(argv):
     scfg = sample_config(config.sample)
     params, step = checkpoint.restore_run_params(_WORKDIR.value, mesh, _STEP.value,
                                                  _WEIGHTS.value)
+    vae, vae_params = load_vae(_VAE.value, config, model) if _VAE.value else (None, None)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -114,7 +143,12 @@ def main(argv):
 
   run = jax.jit(lambda p, x, y, k: task.sample(p, x, y, k, scfg),
                 in_shardings=(None, sharding, sharding, None), out_shardings=sharding)
-  images, all_labels = [], []
+  if vae is not None:
+    decode = jax.jit(lambda p, z: vae.apply({"params": p}, z / vae.scaling_factor,
+                                            method=vae.decode),
+                     in_shardings=(None, sharding), out_shardings=sharding)
+    vae_params = jax.device_put(vae_params, shd.replicated(mesh))
+  images, all_labels, all_latents = [], [], []
   t0 = time.perf_counter()
   for start in range(0, _NUM.value, batch):
     idx = jnp.arange(start, start + batch)
@@ -122,7 +156,12 @@ def main(argv):
     out = run(params, jax.device_put(noise, sharding), jax.device_put(labels, sharding),
               jax.random.fold_in(base, 10_000_000 + start))
     keep = min(batch, _NUM.value - start)
-    images.append(np.asarray(jax.device_get(out))[:keep])
+    if vae is not None:
+      all_latents.append(np.asarray(jax.device_get(out))[:keep])
+      # uint8 per batch: 50K decoded float images would need 39 GB of host memory.
+      images.append(to_uint8_official(jax.device_get(decode(vae_params, out))[:keep]))
+    else:
+      images.append(np.asarray(jax.device_get(out))[:keep])
     all_labels.append(np.asarray(labels)[:keep])
     done = start + keep
     rate = done / (time.perf_counter() - t0)
@@ -132,12 +171,17 @@ def main(argv):
   labels = np.concatenate(all_labels)
   info_out = {"workdir": os.path.abspath(_WORKDIR.value), "step": step, "weights": _WEIGHTS.value,
               "num": int(len(x)), "seed": _SEED.value, "labels": _LABELS.value,
-              "sampler": scfg.to_dict(), "seconds": round(time.perf_counter() - t0, 1)}
+              "sampler": scfg.to_dict(), "seconds": round(time.perf_counter() - t0, 1),
+              "vae": os.path.abspath(_VAE.value) if _VAE.value else None}
   if latent:
-    np.savez(os.path.join(out_dir, "latents.npz"), latents=x, labels=labels)
-  else:
-    pixels = to_uint8_official(x) if config.data.normalize == "half" else tasks.to_uint8(
-        x, task.mean, task.std)
+    np.savez(os.path.join(out_dir, "latents.npz"), labels=labels,
+             latents=np.concatenate(all_latents) if vae is not None else x)
+  if not latent or vae is not None:
+    if vae is not None:
+      pixels = x
+    else:
+      pixels = to_uint8_official(x) if config.data.normalize == "half" else tasks.to_uint8(
+          x, task.mean, task.std)
     if pixels.shape[-1] == 1:
       pixels = np.repeat(pixels, 3, axis=-1)
     np.savez(os.path.join(out_dir, "samples.npz"), arr_0=pixels, labels=labels)
