@@ -7,6 +7,8 @@ computes gradients for activations and weights). MAE's encoder sees only the vis
 
 from __future__ import annotations
 
+from decay_jax.models import routing
+
 
 def _block_macs(tokens: int, dim: int, mlp_ratio: float) -> float:
   """One transformer block on ``tokens`` tokens: qkv + proj + MLP, plus QK^T and AV."""
@@ -42,7 +44,7 @@ def sit_forward_flops(m) -> float:
   macs = t * m.patch_size ** 2 * m.in_channels * d
   macs += 256 * d + d * d  # timestep MLP
   macs += m.depth * (_block_macs(t, d, m.mlp_ratio) + 6 * d * d)  # blocks + adaLN
-  macs += (m.depth // 2) * t * d * d  # long-skip Linears of the decoder blocks
+  macs += routing.long_range_macs(m)  # decoder long-skip Linears, or the residual routing
   macs += 2 * d * d + t * d * m.patch_size ** 2 * m.out_channels
   return 2.0 * macs
 

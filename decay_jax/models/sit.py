@@ -21,7 +21,7 @@ import numpy as np
 
 from decay_jax import layers, schedules
 from decay_jax.layers import Dtype
-from decay_jax.models import fields
+from decay_jax.models import fields, routing
 from decay_jax.models.blocks import SiTBlock, modulate
 
 
@@ -51,6 +51,8 @@ class SiT(nn.Module):
 
   With ``learn_sigma`` the final Linear has ``2C`` outputs per pixel (the official parameter shape,
   so checkpoints convert 1:1) and only the first ``C`` are returned, as the official forward does.
+  ``residual_routing`` other than 'none' replaces the blocks by ``routing.RoutedTrunk`` (mirror
+  routing and its variants; ``routing_decay`` says how they meet the decay), see models/routing.py.
   """
   input_size: int = 32
   patch_size: int = 2
@@ -69,6 +71,8 @@ class SiT(nn.Module):
   dtype: Dtype = jnp.float32
   attention_impl: Optional[str] = None
   remat_policy: str = "none"
+  residual_routing: str = "none"
+  routing_decay: str = "after"
 
   def __post_init__(self):
     validate_sit_fields(self)
@@ -98,11 +102,17 @@ class SiT(nn.Module):
       self.alpha = self.param("alpha", lambda _: jnp.asarray(sc.alphas, jnp.float32))
     else:
       self.alpha = jnp.asarray(sc.alphas, jnp.float32)
-    common = (self.num_heads, self.mlp_ratio)
-    self.enc_blocks = layers.scan_blocks(SiTBlock, half, (0, nn.broadcast), self.remat_policy)(
-        *common, False, sc.branch_scale, self.dtype, self.attention_impl)
-    self.dec_blocks = layers.scan_blocks(SiTBlock, half, (0, nn.broadcast), self.remat_policy)(
-        *common, True, sc.branch_scale, self.dtype, self.attention_impl)
+    if self.residual_routing != "none":
+      self.trunk = routing.RoutedTrunk(
+          self.depth, self.num_heads, self.mlp_ratio, self.residual_routing, self.routing_decay,
+          sc.branch_scale, self.dtype, self.attention_impl, self.remat_policy,
+          tuple(map(tuple, sc.alphas.tolist())))
+    else:
+      common = (self.num_heads, self.mlp_ratio)
+      self.enc_blocks = layers.scan_blocks(SiTBlock, half, (0, nn.broadcast), self.remat_policy)(
+          *common, False, sc.branch_scale, self.dtype, self.attention_impl)
+      self.dec_blocks = layers.scan_blocks(SiTBlock, half, (0, nn.broadcast), self.remat_policy)(
+          *common, True, sc.branch_scale, self.dtype, self.attention_impl)
     self.final_adaLN = nn.Dense(2 * self.dim, dtype=self.dtype, kernel_init=layers.zeros,
                                 bias_init=layers.zeros)
     self.norm_final = layers.layer_norm(affine=False)
@@ -130,8 +140,11 @@ class SiT(nn.Module):
     cond = (self.t_embedder(t).astype(jnp.float32)
             + self.embed_labels(y, train, force_drop_ids).astype(jnp.float32))
     half = self.depth // 2
-    tokens, enc_outs = self.enc_blocks(tokens, self.alpha[:half], cond)
-    tokens, _ = self.dec_blocks(tokens, (self.alpha[half:], enc_outs[::-1]), cond)
+    if self.residual_routing != "none":
+      tokens = self.trunk(tokens, self.alpha, cond)
+    else:
+      tokens, enc_outs = self.enc_blocks(tokens, self.alpha[:half], cond)
+      tokens, _ = self.dec_blocks(tokens, (self.alpha[half:], enc_outs[::-1]), cond)
     shift, scale = jnp.split(self.final_adaLN(nn.silu(cond)).astype(jnp.float32), 2, axis=-1)
     out = self.final_linear(modulate(self.norm_final(tokens),
                                      shift, scale)).astype(jnp.float32)
@@ -154,6 +167,7 @@ def validate_sit_fields(m) -> None:
   if not 0.0 <= m.class_dropout_prob < 1.0:
     raise ValueError(f"class_dropout_prob={m.class_dropout_prob!r} must be in [0, 1)")
   fields.check_common(m)
+  routing.check_fields(m)
 
 
 SIT_SIZES = {

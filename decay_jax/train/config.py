@@ -14,7 +14,7 @@ import ml_collections as mlc
 
 from decay_jax import layers, schedules
 from decay_jax.data import pipeline
-from decay_jax.models import fields, mae as mae_lib, sit as sit_lib
+from decay_jax.models import fields, mae as mae_lib, routing as routing_lib, sit as sit_lib
 
 TASKS = ("mae", "sit")
 
@@ -101,6 +101,9 @@ def sit_config() -> mlc.ConfigDict:
   c.model.num_classes = 1000
   c.model.class_dropout_prob = 0.1
   c.model.learn_sigma = True
+  # Structured residual routing (decay_jax/models/routing.py): 'none' is the official decayed SiT.
+  c.model.residual_routing = "none"
+  c.model.routing_decay = "after"
   c.data.dataset = "imagenet2012"
   c.data.image_size = 32
   c.data.normalize = "none"
@@ -177,6 +180,10 @@ def validate(config) -> None:
     schedules.check_choice("model.preset", config.model.preset, tuple(mae_lib.MAE_PRESETS))
   else:
     schedules.check_choice("model.preset", config.model.preset, tuple(sit_lib.SIT_PRESETS))
+    schedules.check_choice("model.residual_routing", config.model.residual_routing,
+                           routing_lib.VARIANTS)
+    schedules.check_choice("model.routing_decay", config.model.routing_decay,
+                           routing_lib.DECAY_MODES)
   patch = int(config.model.preset.split("/")[1])
   if config.data.image_size % patch:
     raise ValueError(f"data.image_size={config.data.image_size} is not allowed; it must be a "
@@ -189,3 +196,19 @@ def validate(config) -> None:
                      "(0 = no EMA)")
   if not math.isfinite(config.optim.weight_decay) or config.optim.weight_decay < 0:
     raise ValueError(f"optim.weight_decay={config.optim.weight_decay!r} must be >= 0")
+
+
+def override(config, **overrides):
+  """Sets dotted fields in place, e.g. ``override(c, **{"model.alpha_min": 0.7})``; returns it.
+
+  A field the config does not have is an error (as on the command line), not a new field.
+  """
+  for key, value in overrides.items():
+    node = config
+    *path, last = key.split(".")
+    for p in path:
+      node = node[p]
+    if last not in node:
+      raise ValueError(f"{key}={value!r} is not allowed; the config has no field {key!r}")
+    node[last] = value
+  return config

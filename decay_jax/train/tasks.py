@@ -20,6 +20,7 @@ import numpy as np
 from decay_jax import flops, layers, samplers
 from decay_jax import transport as transport_lib
 from decay_jax.models import mae as mae_lib
+from decay_jax.models import routing
 from decay_jax.models import sit as sit_lib
 
 
@@ -151,7 +152,8 @@ class SiTTask:
                                num_steps=c.num_steps)
 
   def picture(self, params, batch, rng, num: Optional[int] = None) -> np.ndarray:
-    """A grid of samples from fixed noise (from ``rng``) and labels ``0, 1, 2, ...``."""
+    """A grid of samples from fixed noise (from ``rng``) and labels ``0, 1, 2, ...``; for a routed
+    model, with the heat-map of its routing weights on these samples noised to t = 0.1, 0.5, 0.9."""
     m = self.model
     n = num or self.sample_cfg.grid_size
     noise = jax.random.normal(rng, (n, m.input_size, m.input_size, m.in_channels))
@@ -164,6 +166,9 @@ class SiTTask:
     if rows[-1].shape[0] < cols:  # pad the last row with white tiles
       pad = np.full((cols - rows[-1].shape[0],) + rows[-1].shape[1:], 255, np.uint8)
       rows[-1] = np.concatenate([rows[-1], pad])
+    if m.residual_routing in routing.ROUTED:  # routing weights per sublayer, next to the samples
+      return routing.side_by_side(grid(rows), routing.routing_picture(
+          m, params, self.transport, images, labels, jax.random.fold_in(rng, 2)))
     return grid(rows)
 
   def train_flops_per_example(self) -> float:

@@ -1,0 +1,440 @@
+"""Structured residual routing (mirror routing) for SiT, alone or with decayed shortcuts.
+
+Spec: ``shared/spec/mirror_routing.md`` (the paper "Structured Residual Connectivity Matters for
+Diffusion Transformers" was not found; its method is known from a summary, so several choices below
+are the spec's inferences, marked [INF] there and named here).
+
+**The routing operator** (spec 3). For one sublayer ``s`` with candidates ``U = (u_0, ..., u_m)``,
+each ``(N, T, d)``, and its only parameter ``w_s in R^d`` (zero-initialised), per token ``n``:
+
+    z_k[n] = w_s^T RMSNorm(u_k[n]),  RMSNorm(u) = u / sqrt(mean_c u_c^2 + eps)  (no gain)
+    pi_k[n] = softmax_k(z_k[n])        (over candidates, one weight for all channels)
+    x~[n]   = sum_k pi_k[n] u_k[n]
+
+``u_0 = x`` is the current stream [INF]; the others are sources ``x_0`` (patch + position
+embedding) and ``x_i`` (output of encoder block ``i``, ``i = 1..K``, ``K = depth/2``). Each block
+routes before both sublayers (two ``w``), and ``x~`` replaces ``x`` in the update (spec 3.2):
+``x <- x~ + g(c) * f(mod(LN(x~)))``.
+
+**Variants** (``SiT.residual_routing``; spec 4, decoder block ``j = 1..K``, encoder block ``i``):
+
+==============  ===================================  ===========================  ============
+variant         encoder sublayers                    decoder sublayers            new params
+==============  ===================================  ===========================  ============
+none            the official decayed SiT: decoder block j adds Linear(x_{K-j+1})  K(d^2+d)
+plain           plain residual (the DiT baseline)    plain residual               0
+static_skip     plain                                first ``x <- W_j [x; x_{K-j+1}] + b_j``  K(2d^2+d)
+mirror          plain                                U = (x, x_{K-j+1})           2Kd
+fused_mirror    U = (x, x_0, ..., x_{i-1})           U = (x, x_{K-j+1})           4Kd
+fused_all       U = (x, x_0, ..., x_{i-1})           U = (x, x_0, ..., x_K)       4Kd
+fused_first     U = (x, x_0, ..., x_{i-1})           U = (x, x_0)                 4Kd
+fused_last      U = (x, x_0, ..., x_{i-1})           U = (x, x_K)                 4Kd
+attnres         dense Attention Residuals (spec 6.1) over all sublayer outputs  2Dd + d
+==============  ===================================  ===========================  ============
+
+Mirror pairing: decoder block ``j`` reads ``x_{K-j+1}`` (``mirror_source``), the same pairing as the
+official SiT's long skips. "First" is ``x_0`` (spec open item 2). The static skip is U-ViT's
+concat + Linear with U-ViT's init (trunc-normal 0.02). ``attnres`` has no running stream: sublayer
+``l`` reads ``h_l = sum_{i<l} pi_i v_i`` over ``v_0 = x_0`` and the gated outputs ``v_i`` of all
+earlier sublayers, and the final layer reads a routed sum of all ``2D + 1`` values (one more ``w``).
+At initialisation (adaLN-Zero gates 0) ``v_i = 0`` so ``h_l = x_0 / l``; LayerNorm inside every
+sublayer and before the final layer hides this dilution (spec 5), so no correction is applied.
+
+**Decay** (``SiT.routing_decay``, spec 10; only matters when ``alpha_min < 1``). Sublayers that route
+nothing keep the decayed update ``alpha x + f(x)`` in every mode; routed sublayers use
+  * ``after`` (A, default): ``x <- alpha x~ + f(x~)``. Decay stays what it is in the decayed SiT:
+    each sublayer's coefficient multiplies everything the residual carries, so ``alpha_eff`` and the
+    paper's ``alpha_min`` keep their meaning, and this is how the official decayed SiT treats its
+    long skip (added to the stream, then decayed with it). It is a drop-in: the routed model with
+    ``alpha_min = 1`` and the decayed model without routing are both special cases.
+  * ``current`` (B): ``u_0 = alpha x``, then ``x <- x~ + f(x~)``: only the stream is decayed, the
+    sources stay full-strength shortcuts; scores are unchanged (RMSNorm is scale-invariant).
+  * ``encoder`` (C): every decoder identity coefficient is 1; the encoder decays as in (A).
+  * ``null`` (D): a zero candidate with a fixed logit ``b = log(|U| (1 - alpha) / alpha)`` joins
+    ``U`` (so ``1 - pi_null = alpha`` at ``w = 0``) and ``x <- x~ + f(x~)``; ``alpha = 1`` drops it.
+
+**Memory-lean design.** Routing blocks are unrolled (a Python loop, parameters per block, not
+scanned): a ``nn.scan`` would have to carry a growing buffer of sources, and autodiff would save a
+copy of that buffer per iteration (``O(K^2)`` activations). Unrolled, the sources are the block
+outputs themselves, each one array that the backward pass keeps anyway; the operator never stacks
+candidates: it takes one dot product and one mean square per candidate and accumulates ``x~`` term
+by term, so it adds ``O(|U| N T)`` scalars (logits, weights), not copies of ``(N, T, d)`` tensors.
+The price is compile time growing with depth (see the README). ``none`` keeps the scanned blocks.
+
+**Heat-map.** With ``'intermediates'`` mutable each routed sublayer sows its weights averaged over
+tokens, ``(N, |U|)``; ``routing_weights`` collects them and ``heatmap`` draws rows = sublayers,
+columns = candidates, one panel per time ``t``.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from decay_jax import layers, schedules
+from decay_jax.layers import Dtype
+from decay_jax.models.blocks import decayed_update, modulate
+
+VARIANTS = ("none", "plain", "static_skip", "mirror", "fused_mirror", "fused_all", "fused_first",
+            "fused_last", "attnres")
+DECAY_MODES = ("after", "current", "encoder", "null")
+ROUTED = ("mirror", "fused_mirror", "fused_all", "fused_first", "fused_last", "attnres")
+RMS_EPS = 1e-6
+SUBLAYERS = ("attn", "mlp")
+
+
+def mirror_source(j: int, half: int) -> int:
+  """Index ``i`` of the source ``x_i`` that decoder block ``j`` (1-based, ``1..K``) reads: K - j + 1."""
+  if not 1 <= j <= half:
+    raise ValueError(f"decoder block j={j} is not allowed; it must be in 1..{half}")
+  return half - j + 1
+
+
+def block_sources(variant: str, depth: int) -> List[Optional[Tuple[int, ...]]]:
+  """Per block (0-based, encoder then decoder): the source indices ``i`` of ``x_i`` that both of its
+  sublayers route over besides the current stream, or ``None`` where the block does not route."""
+  half = depth // 2
+  out: List[Optional[Tuple[int, ...]]] = []
+  for b in range(depth):
+    if b < half:  # encoder block i = b + 1 sees (x_0, ..., x_{i-1}) [INF]
+      out.append(tuple(range(b + 1)) if variant.startswith("fused") else None)
+      continue
+    j = b - half + 1
+    out.append({"mirror": (mirror_source(j, half),), "fused_mirror": (mirror_source(j, half),),
+                "fused_all": tuple(range(half + 1)), "fused_first": (0,),
+                "fused_last": (half,)}.get(variant))
+  return out
+
+
+def null_logit(alpha: float, num_candidates: int) -> Optional[float]:
+  """Fixed logit of the zero candidate (decay mode 'null') with ``1 - pi_null = alpha`` at w = 0."""
+  if alpha >= 1.0:
+    return None
+  return math.log(num_candidates * (1.0 - alpha) / alpha)
+
+
+def route(w, candidates: Sequence[jax.Array], null: Optional[float] = None, eps: float = RMS_EPS):
+  """The routing operator: ``(x~ (N, T, d), pi (|U|, N, T))`` for candidates ``[(N, T, d), ...]``.
+
+  ``z_k = w^T u_k / sqrt(mean(u_k^2) + eps)``, ``pi = softmax_k z``, ``x~ = sum_k pi_k u_k``, in
+  float32. ``null`` appends a zero candidate with that fixed logit (its weight is in ``pi``). No
+  stack of candidates is built: one dot product and one mean square per candidate.
+  """
+  w = w.astype(jnp.float32)
+  cands = [u.astype(jnp.float32) for u in candidates]
+  logits = [(u @ w) * jax.lax.rsqrt(jnp.mean(jnp.square(u), axis=-1) + eps) for u in cands]
+  if null is not None:
+    logits.append(jnp.full_like(logits[0], null))
+  pi = jax.nn.softmax(jnp.stack(logits), axis=0)
+  out = functools.reduce(lambda acc, k: acc + pi[k][..., None] * cands[k], range(1, len(cands)),
+                         pi[0][..., None] * cands[0])
+  return out, pi
+
+
+class RoutedSiTBlock(nn.Module):
+  """adaLN-Zero SiT block (same sublayers and parameter names as ``blocks.SiTBlock``) with routing.
+
+  ``__call__(x, alpha, c, sources, nulls)``: ``x (N, T, d)`` float32 stream, ``alpha (2,)`` identity
+  coefficients, ``c (N, d)``, ``sources`` a tuple of ``(N, T, d)``, ``nulls`` the two null logits or
+  ``None``. ``routed``: ``x~ = R([x, *sources])`` before both sublayers (``route_attn``,
+  ``route_mlp``: ``(d,)`` each). ``skip``: U-ViT's ``x <- Linear([x; sources[0]])`` first.
+  ``attnres``: ``x`` is unused, ``sources`` are the values ``v_0..v_{l-1}``, and the block returns
+  its two new values ``(v_attn, v_mlp)`` (spec 6.1); otherwise it returns the new stream.
+  """
+  num_heads: int
+  mlp_ratio: float = 4.0
+  branch_scale: float = 1.0
+  dtype: Dtype = jnp.float32
+  attention_impl: Optional[str] = None
+  routed: bool = False
+  skip: bool = False
+  attnres: bool = False
+  decay: str = "after"
+
+  def _route(self, i: int, cands, null):
+    w = self.param(f"route_{SUBLAYERS[i]}", nn.initializers.zeros, (cands[0].shape[-1],),
+                   jnp.float32)
+    out, pi = route(w, cands, null)
+    if self.is_mutable_collection("intermediates"):
+      self.sow("intermediates", f"route_{SUBLAYERS[i]}", pi.mean(axis=-1).T)  # (N, |U|)
+    return out
+
+  def _branch(self, i: int, h, mod):
+    """Gated sublayer output ``g_i * f_i(mod(LN(h)))`` (before ``branch_scale``)."""
+    dim = h.shape[-1]
+    shift, scale, gate = mod[3 * i], mod[3 * i + 1], mod[3 * i + 2]
+    h = modulate(layers.layer_norm(f"norm{i + 1}", affine=False)(h), shift, scale)
+    if i == 0:
+      h = layers.Attention(self.num_heads, self.dtype, implementation=self.attention_impl,
+                           name="attn")(h)
+    else:
+      h = layers.Mlp(int(dim * self.mlp_ratio), approximate_gelu=True, dtype=self.dtype,
+                     name="mlp")(h)
+    return gate[:, None, :] * h
+
+  @nn.compact
+  def __call__(self, x, alpha, c, sources=(), nulls=(None, None)):
+    dim = c.shape[-1]
+    mod = jnp.split(nn.Dense(6 * dim, dtype=self.dtype, kernel_init=layers.zeros,
+                             bias_init=layers.zeros, name="adaLN_modulation")(nn.silu(c))
+                    .astype(jnp.float32), 6, axis=-1)
+    if self.attnres:
+      values = list(sources)
+      for i in range(2):
+        h = self._route(i, values, None)
+        values.append(self.branch_scale * self._branch(i, h, mod).astype(jnp.float32))
+      return values[-2], values[-1]
+    if self.skip:
+      x = nn.Dense(dim, dtype=self.dtype, kernel_init=nn.initializers.truncated_normal(0.02),
+                   bias_init=layers.zeros, name="skip")(
+                       jnp.concatenate([x, sources[0]], axis=-1)).astype(jnp.float32)
+    for i in range(2):
+      a = alpha[i]
+      if self.routed:
+        x = self._route(i, [a * x if self.decay == "current" else x, *sources], nulls[i])
+        if self.decay in ("current", "null"):
+          a = 1.0  # the decay already acted inside the routing
+      x = decayed_update(x, a, self._branch(i, x, mod), self.branch_scale)
+    return x
+
+
+class RoutedTrunk(nn.Module):
+  """The ``depth`` blocks of a SiT with ``residual_routing`` other than 'none', unrolled.
+
+  ``__call__(x0, alpha, c)``: ``x0 (N, T, d)`` embedded tokens, ``alpha (depth, 2)``, ``c (N, d)``;
+  returns the stream that enters the final layer. ``alphas`` is the constant schedule, used only by
+  decay mode 'null' for its logit priors.
+  """
+  depth: int
+  num_heads: int
+  mlp_ratio: float = 4.0
+  variant: str = "mirror"
+  decay: str = "after"
+  branch_scale: float = 1.0
+  dtype: Dtype = jnp.float32
+  attention_impl: Optional[str] = None
+  remat_policy: str = "none"
+  alphas: Tuple[Tuple[float, float], ...] = ()
+
+  @nn.compact
+  def __call__(self, x0, alpha, c):
+    block = layers.remat(RoutedSiTBlock, self.remat_policy)
+    common = dict(num_heads=self.num_heads, mlp_ratio=self.mlp_ratio,
+                  branch_scale=self.branch_scale, dtype=self.dtype,
+                  attention_impl=self.attention_impl, decay=self.decay)
+    if self.variant == "attnres":
+      values = [x0]
+      for b in range(self.depth):
+        values += block(**common, attnres=True, name=f"block_{b:02d}")(
+            None, None, c, tuple(values))
+      w = self.param("route_final", nn.initializers.zeros, (x0.shape[-1],), jnp.float32)
+      out, pi = route(w, values)
+      if self.is_mutable_collection("intermediates"):
+        self.sow("intermediates", "route_final", pi.mean(axis=-1).T)
+      return out
+    half = self.depth // 2
+    plan = block_sources(self.variant, self.depth)
+    xs, x = [x0], x0
+    for b, srcs in enumerate(plan):
+      dec = b >= half
+      a = jnp.ones((2,), jnp.float32) if (dec and self.decay == "encoder") else alpha[b]
+      nulls = (None, None)
+      if srcs is not None and self.decay == "null":
+        nulls = tuple(null_logit(self.alphas[b][i], 1 + len(srcs)) for i in range(2))
+      skip = self.variant == "static_skip" and dec
+      sources = (tuple(xs[i] for i in srcs) if srcs is not None
+                 else (xs[mirror_source(b - half + 1, half)],) if skip else ())
+      name = f"enc_{b:02d}" if not dec else f"dec_{b - half:02d}"
+      x = block(**common, routed=srcs is not None, skip=skip, name=name)(x, a, c, sources, nulls)
+      if not dec:
+        xs.append(x)
+    return x
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation, parameter and FLOP accounting.
+# ------------------------------------------------------------------------------------------------
+
+def check_fields(m) -> None:
+  """One-line errors for the routing fields of a SiT ``m``."""
+  schedules.check_choice("residual_routing", m.residual_routing, VARIANTS)
+  schedules.check_choice("routing_decay", m.routing_decay, DECAY_MODES)
+  if m.residual_routing == "attnres" and (m.alpha_min != 1.0 or m.shortcut_form != "decay"):
+    raise ValueError(f"residual_routing='attnres' has no identity shortcut to decay; it needs "
+                     f"alpha_min=1 and shortcut_form='decay' (got {m.alpha_min}, "
+                     f"{m.shortcut_form!r})")
+  if m.routing_decay == "null" and m.shortcut_form != "decay":
+    raise ValueError(f"routing_decay='null' needs constant coefficients: shortcut_form='decay' "
+                     f"(got {m.shortcut_form!r})")
+
+
+def candidate_counts(variant: str, depth: int) -> List[int]:
+  """``|U|`` of every routed operator (null candidates not counted), in model order."""
+  if variant == "attnres":
+    return list(range(1, 2 * depth + 1)) + [2 * depth + 1]
+  return [1 + len(s) for s in block_sources(variant, depth) if s is not None for _ in range(2)]
+
+
+def extra_params(variant: str, depth: int, dim: int) -> int:
+  """New parameters against the plain DiT (spec 7): 2Kd, 4Kd, K(2d^2 + d), 2Dd + d, K(d^2 + d)."""
+  half = depth // 2
+  if variant == "none":
+    return half * (dim * dim + dim)
+  if variant == "static_skip":
+    return half * (2 * dim * dim + dim)
+  if variant == "attnres":
+    return 2 * depth * dim + dim
+  return len(candidate_counts(variant, depth)) * dim
+
+
+def long_range_macs(m) -> float:
+  """Forward multiply-adds per example of the long-range connections of SiT ``m``: the skip
+  Linears ('none': d^2, 'static_skip': 2 d^2 per token and decoder block) or the routing operators
+  (2 |U| d per token and operator: the score dot products and the weighted sum; RMS and softmax are
+  norms, which ``decay_jax.flops`` does not count)."""
+  t, d, half = m.grid ** 2, m.dim, m.depth // 2
+  if m.residual_routing == "none":
+    return half * t * d * d
+  if m.residual_routing == "static_skip":
+    return half * t * 2 * d * d
+  return sum(2 * n * t * d for n in candidate_counts(m.residual_routing, m.depth))
+
+
+def overhead(model) -> dict:
+  """Parameters (counted on the abstract init) and train FLOPs of ``model`` against the same SiT
+  with ``residual_routing='plain'`` (the DiT baseline without long-range connections)."""
+  from decay_jax import flops  # lazy: flops imports this module
+  import dataclasses
+
+  def count(m):
+    x = jnp.zeros((1, m.input_size, m.input_size, m.in_channels), jnp.float32)
+    shapes = jax.eval_shape(m.init, jax.random.key(0), x, jnp.zeros((1,)), jnp.zeros((1,), jnp.int32))
+    return sum(int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(shapes["params"]))
+
+  plain = dataclasses.replace(model, residual_routing="plain", routing_decay="after")
+  n, n0 = count(model), count(plain)
+  f, f0 = 3 * flops.sit_forward_flops(model), 3 * flops.sit_forward_flops(plain)
+  return {"residual_routing": model.residual_routing, "routing_decay": model.routing_decay,
+          "plain_params": n0, "routing_params": n - n0,
+          "routing_params_pct": round(100 * (n - n0) / n0, 4),
+          "routing_gflops_per_example": round((f - f0) / 1e9, 4),
+          "routing_flops_pct": round(100 * (f - f0) / f0, 4)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Routing weights and their heat-map.
+# ------------------------------------------------------------------------------------------------
+
+def sublayer_rows(variant: str, depth: int, decay: str = "after"):
+  """``[(path, sow name, row label, candidate labels)]`` of every routed operator, model order."""
+  if variant == "attnres":
+    rows = [((f"block_{l // 2:02d}",), f"route_{SUBLAYERS[l % 2]}",
+             f"b{l // 2 + 1} {SUBLAYERS[l % 2]}", [f"v{i}" for i in range(l + 1)])
+            for l in range(2 * depth)]
+    return rows + [((), "route_final", "final", [f"v{i}" for i in range(2 * depth + 1)])]
+  half, rows = depth // 2, []
+  for b, srcs in enumerate(block_sources(variant, depth)):
+    if srcs is None:
+      continue
+    dec = b >= half
+    name = f"dec_{b - half:02d}" if dec else f"enc_{b:02d}"
+    label = f"dec{b - half + 1}" if dec else f"enc{b + 1}"
+    for s in SUBLAYERS:
+      cols = ["x"] + [f"x{i}" for i in srcs] + (["null"] if decay == "null" else [])
+      rows.append(((name,), f"route_{s}", f"{label} {s}", cols))
+  return rows
+
+
+def routing_weights(model, params, x, t, y) -> List[Tuple[str, List[str], np.ndarray]]:
+  """Mean routing weights of every routed sublayer for inputs ``(x, t, y)``: ``[(row label,
+  candidate labels, weights (|U|,))]`` (a null candidate that is absent at alpha = 1 weighs 0)."""
+  _, state = model.apply({"params": params}, x, t, y, mutable=["intermediates"])
+  return weights_from_state(model, state)
+
+
+def weights_from_state(model, state) -> List[Tuple[str, List[str], np.ndarray]]:
+  """``routing_weights`` from the mutated ``{'intermediates': ...}`` of a forward pass."""
+  inter = state["intermediates"]["trunk"]
+  out = []
+  for path, name, label, cols in sublayer_rows(model.residual_routing, model.depth,
+                                               model.routing_decay):
+    node = inter
+    for p in path:
+      node = node[p]
+    w = np.asarray(node[name][0]).mean(axis=0)
+    out.append((label, cols, np.pad(w, (0, len(cols) - w.shape[0]))))
+  return out
+
+
+def heatmap(panels, title: str = "") -> np.ndarray:
+  """uint8 RGB picture of routing weights: one panel per ``(panel title, routing_weights(...))``;
+  rows are sublayers, columns the candidates any sublayer uses, blank where not a candidate."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from PIL import Image
+
+  rows = panels[0][1]
+  cols = []
+  for _, c, _ in rows:
+    cols += [k for k in c if k not in cols]
+  order = {"x": -2, "null": 10 ** 6}
+  cols.sort(key=lambda k: order.get(k, int(k[1:]) if k[1:].isdigit() else 0))
+  fig, axes = plt.subplots(1, len(panels), figsize=(1.2 + 0.42 * len(cols) * len(panels),
+                                                    1.4 + 0.26 * len(rows)), squeeze=False)
+  for p, (ax, (ptitle, weights)) in enumerate(zip(axes[0], panels)):
+    mat = np.full((len(rows), len(cols)), np.nan)
+    for r, (_, c, w) in enumerate(weights):
+      for k, v in zip(c, w):
+        mat[r, cols.index(k)] = v
+    im = ax.imshow(mat, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(len(cols)), cols, fontsize=7, rotation=90 if len(cols) > 12 else 0)
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows] if p == 0 else [], fontsize=7)
+    ax.set_title(ptitle, fontsize=8)
+    if len(cols) <= 16:
+      for (r, k), v in np.ndenumerate(mat):
+        if np.isfinite(v):
+          ax.text(k, r, f"{v:.2f}", ha="center", va="center", fontsize=5,
+                  color="white" if v < 0.6 else "black")
+  fig.colorbar(im, ax=axes[0].tolist(), fraction=0.03)
+  if title:
+    fig.suptitle(title, fontsize=9)
+  buf = io.BytesIO()
+  fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+  plt.close(fig)
+  return np.asarray(Image.open(buf).convert("RGB"))
+
+
+def side_by_side(left: np.ndarray, right: np.ndarray, pad: int = 8) -> np.ndarray:
+  """Two uint8 pictures in one, the left one enlarged (nearest) towards the right one's height."""
+  scale = max(1, right.shape[0] // left.shape[0])
+  left = np.repeat(np.repeat(left, scale, axis=0), scale, axis=1)
+  h = max(left.shape[0], right.shape[0])
+  canvas = np.full((h, left.shape[1] + pad + right.shape[1], 3), 255, np.uint8)
+  canvas[:left.shape[0], :left.shape[1]] = left
+  canvas[:right.shape[0], left.shape[1] + pad:] = right
+  return canvas
+
+
+def routing_picture(model, params, transport, images, labels, rng,
+                    times: Sequence[float] = (0.1, 0.5, 0.9)) -> np.ndarray:
+  """Heat-map of the mean routing weights on ``x_t`` of ``images (N, H, W, C)`` (data, t = 1) and
+  fresh noise at each of ``times``, labels ``(N,)``."""
+  noise = jax.random.normal(rng, images.shape)
+  fn = jax.jit(lambda p, x, t, y: model.apply({"params": p}, x, t, y, mutable=["intermediates"])[1])
+  panels = []
+  for tv in times:
+    t = jnp.full((images.shape[0],), tv, jnp.float32)
+    _, xt, _ = transport.plan(images, noise, t)
+    panels.append((f"t = {tv:g}", weights_from_state(model, fn(params, xt, t, labels))))
+  return heatmap(panels, f"routing weights: {model.residual_routing}"
+                 + (f", decay {model.routing_decay} (alpha_min {model.alpha_min:g})"
+                    if model.alpha_min < 1 else ""))
+
