@@ -28,9 +28,9 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Dict, Optional
+from typing import Optional
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 EVALS = ("knn", "linear", "layers", "rank")
@@ -65,69 +65,12 @@ def restore_run_params(workdir: str, mesh, step: int = -1, weights: str = "param
   return checkpoint.restore_run_params(workdir, mesh, step, weights)
 
 
-def run_model(config, params):
-  """The model of a run's config; channels from the checkpoint's patch-embedding kernel."""
-  from decay_jax.train import config as config_lib
-  channels = int(params["patch_embed"]["proj"]["kernel"].shape[2])
-  return config_lib.build_model(config, {"image_size": config.data.image_size,
-                                         "channels": channels})
-
-
-def model_summary(model) -> Dict[str, Any]:
-  from decay_jax import checkpoint as ckpt_lib
-  sc = model.shortcuts
-  return dict(ckpt_lib.model_fields(model), alpha_eff=sc.alpha_eff, alphas=sc.alphas.tolist(),
-              branch_scale=sc.branch_scale)
-
-
-# ------------------------------------------------------------------------------------------------
-# Evaluation
-
-
-def _check_data(model, data_cfg, label: str) -> None:
-  from decay_jax.data import pipeline
-  info = pipeline.dataset_info(data_cfg)
-  if info["image_size"] != model.img_size or info["channels"] != model.in_chans:
-    raise ValueError(f"data.image_size={info['image_size']} with {info['channels']} channels is not "
-                     f"allowed for {label}; its model takes {model.img_size} px, "
-                     f"{model.in_chans} channels")
-
-
-def evaluate_model(name: str, model, params, data_cfg, evals_cfg, names, mesh,
-                   source: Dict[str, Any]) -> Dict[str, Any]:
-  """Runs the evaluators ``names`` on one model; returns its JSON record."""
-  import ml_collections
-  from decay_jax.evals import features, runner
-  from decay_jax.train import tasks
-  config = ml_collections.ConfigDict({"task": "mae", "data": data_cfg.to_dict(),
-                                      "evals": evals_cfg.to_dict()})
-  record = {"name": name, "source": source, "model": model_summary(model),
-            "data": data_cfg.to_dict(), "sections": {}, "seconds": {}, "settings": {}}
-  built = runner.build(config, tasks.MAETask(model), mesh, names)  # checks every name first
-  # One encoder pass per image set for all evaluators (they pool different blocks and tokens).
-  batch = max(int(config.evals[k].batch_size) for k in built)
-  cache = features.FeatureCache(model, params, mesh, batch)
-  for evaluator in built.values():
-    if hasattr(evaluator, "requests"):
-      for request in evaluator.requests():
-        cache.want(*request)
-      evaluator.cache = cache
-  for key, evaluator in built.items():
-    t0 = time.perf_counter()
-    logging.info("[%s] %s ...", name, key)
-    sections = evaluator.evaluate(params)
-    record["seconds"][key] = time.perf_counter() - t0
-    record["sections"].update(sections)
-    record["settings"][key] = config.evals[key].to_dict()
-    logging.info("[%s] %s done in %.1f s", name, key, record["seconds"][key])
-  return record
-
-
 def _models(mesh):
   """Yields ``(name, model, params, data_cfg, evals_cfg, source)`` for every requested model."""
   import jax
   from decay_jax import checkpoint as ckpt_lib
   from decay_jax import sharding as shd
+  from decay_jax.evals import suite
   given = _CONFIG.value
   paths = [("workdir", p) for p in _WORKDIR.value] + [("checkpoint", p) for p in _CHECKPOINT.value]
   labels = _NAMES.value or [os.path.basename(os.path.normpath(p)) for _, p in paths]
@@ -136,7 +79,7 @@ def _models(mesh):
     if kind == "workdir":
       run_cfg = run_config(path)
       params, step = restore_run_params(path, mesh, _STEP.value, _WEIGHTS.value)
-      model = run_model(run_cfg, params)
+      model = suite.run_model(run_cfg, params)
       source = {"workdir": path, "step": step, "weights": _WEIGHTS.value}
       data_cfg, evals_cfg = (given.data, given.evals) if given else (run_cfg.data, run_cfg.evals)
     else:
@@ -144,7 +87,7 @@ def _models(mesh):
       params = jax.device_put(params, shd.param_shardings(params, mesh))
       source = {"checkpoint": path}
       data_cfg, evals_cfg = given.data, given.evals
-    _check_data(model, data_cfg, f"{kind}={path!r}")
+    suite.check_data(model, data_cfg, f"{kind}={path!r}")
     yield label, model, params, data_cfg, evals_cfg, source
 
 
@@ -181,7 +124,7 @@ def main(argv):
     return 2
   import jax
   from decay_jax import sharding as shd
-  from decay_jax.evals import report
+  from decay_jax.evals import report, suite
   paths = _WORKDIR.value + _CHECKPOINT.value
   out = os.path.abspath(_OUT.value or os.path.join(paths[0], "evaluation"))
   names = list(dict.fromkeys(_EVALS.value))
@@ -190,7 +133,7 @@ def main(argv):
   try:
     mesh = shd.make_mesh(-1, _FSDP.value)
     for label, model, params, data_cfg, evals_cfg, source in _models(mesh):
-      records.append(evaluate_model(label, model, params, data_cfg, evals_cfg, names, mesh,
+      records.append(suite.evaluate_model(label, model, params, data_cfg, evals_cfg, names, mesh,
                                     source))
   except ValueError as e:  # bad paths or settings: one line, no traceback
     print(f"error: {e}", file=sys.stderr)

@@ -11,6 +11,7 @@ import pytest
 
 from decay_jax import checkpoint as ckpt_lib
 from decay_jax import evaluate
+from decay_jax.evals import suite
 from decay_jax import sharding as shd
 from decay_jax.train import trainer
 
@@ -76,7 +77,7 @@ def test_report_on_run_and_converted_checkpoint(trained):
   mesh = shd.make_mesh(1, 1)
   params, step = evaluate.restore_run_params(workdir, mesh)
   assert step == 4
-  model = evaluate.run_model(evaluate.run_config(workdir), params)
+  model = suite.run_model(evaluate.run_config(workdir), params)
   converted = str(root / "converted")
   ckpt_lib.save_params(converted, params, model)  # what `python -m decay_jax.convert` writes
   out = str(root / "report")

@@ -1,6 +1,6 @@
 """The report of ``decay_jax.evaluate``: ``evaluation.json``, ``report.md`` and PNG plots.
 
-Input is a list of model records (``decay_jax.evaluate.evaluate_model``): ``name``, ``source``,
+Input is a list of model records (``decay_jax.evals.suite.evaluate_model``): ``name``, ``source``,
 ``model`` (fields, ``alpha_eff``, ``alphas``), ``sections`` (``knn``, ``linear``, ``layers``,
 ``rank``, ``branches``: the ``evaluate()`` outputs of the evaluators), ``settings`` and ``seconds``.
 Every table is per model; the plots overlay all models (accuracy and rank against the block,
@@ -15,6 +15,8 @@ import os
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
+
+from decay_jax import plots
 
 ACCURACY_PNG = "accuracy_vs_block.png"
 RANK_PNG = "rank_vs_block.png"
@@ -189,21 +191,14 @@ def plot_accuracy(records, path: str) -> bool:
   knn, lin = _series(records, "layers", "knn_top1"), _series(records, "layers", "linear_top1")
   if not knn:
     return False
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
-  for ax, series, title in ((axes[0], knn, "KNN top-1"), (axes[1], lin, "fast linear probe top-1")):
-    for name, ys in series:
-      ax.plot(range(len(ys)), 100 * np.asarray(ys), marker="o", label=name)
-    ax.set_xlabel("encoder block")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-  axes[0].set_ylabel("accuracy (%)")
-  axes[0].legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  with plots.figure(path, 1, 2, sharey=True) as (_, axes):
+    for ax, series, title in ((axes[0, 0], knn, "KNN top-1"),
+                              (axes[0, 1], lin, "fast linear probe top-1")):
+      for name, ys in series:
+        ax.plot(range(len(ys)), 100 * np.asarray(ys), marker="o", label=name)
+      plots.style(ax, title, "encoder block")
+    axes[0, 0].set_ylabel("accuracy (%)")
+    axes[0, 0].legend()
   return True
 
 
@@ -211,28 +206,19 @@ def plot_rank(records, path: str) -> bool:
   tok, pooled = _series(records, "rank", "tokens_erank"), _series(records, "rank", "pooled_erank")
   if not tok:
     return False
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
   centred = {"tokens": dict(_series(records, "rank", "tokens_erank_centred")),
              "pooled": dict(_series(records, "rank", "pooled_erank_centred"))}
-  for ax, series, kind, title in (
-      (axes[0], tok, "tokens", "tokens x channels per image (mean exp(rho))"),
-      (axes[1], pooled, "pooled", "pooled features: images x channels")):
-    for name, ys in series:
-      line, = ax.plot(range(len(ys)), ys, marker="o", label=name)
-      if name in centred[kind]:
-        ax.plot(range(len(ys)), centred[kind][name], ls="--", marker=".", color=line.get_color(),
-                label=f"{name} (centred)")
-    ax.set_xlabel("encoder block")
-    ax.set_ylabel("effective rank exp(rho)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-  axes[0].legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  with plots.figure(path, 1, 2) as (_, axes):
+    for ax, series, kind, title in (
+        (axes[0, 0], tok, "tokens", "tokens x channels per image (mean exp(rho))"),
+        (axes[0, 1], pooled, "pooled", "pooled features: images x channels")):
+      for name, ys in series:
+        line, = ax.plot(range(len(ys)), ys, marker="o", label=name)
+        if name in centred[kind]:
+          ax.plot(range(len(ys)), centred[kind][name], ls="--", marker=".",
+                  color=line.get_color(), label=f"{name} (centred)")
+      plots.style(ax, title, "encoder block", "effective rank exp(rho)", title_size=10)
+    axes[0, 0].legend()
   return True
 
 
@@ -240,23 +226,16 @@ def plot_branches(records, path: str) -> bool:
   series = _series(records, "branches", "ratio_flat")
   if not series:
     return False
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(7, 3.8))
-  for name, ys in series:
-    ys = np.asarray(ys)
-    k = np.arange(ys.size)
-    line, = ax.semilogy(k, ys, label=name)
-    ax.plot(k[0::2], ys[0::2], "o", color=line.get_color(), ms=4)
-    ax.plot(k[1::2], ys[1::2], "s", color=line.get_color(), ms=4)
-  ax.set_xlabel("sublayer k (o attention = 2l, s MLP = 2l+1)")
-  ax.set_ylabel("||f(x)|| / ||alpha x||")
-  ax.grid(alpha=0.3, which="both")
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  with plots.figure(path, size=(7, 3.8)) as (_, axes):
+    ax = axes[0, 0]
+    for name, ys in series:
+      ys = np.asarray(ys)
+      k = np.arange(ys.size)
+      line, = ax.semilogy(k, ys, label=name)
+      ax.plot(k[0::2], ys[0::2], "o", color=line.get_color(), ms=4)
+      ax.plot(k[1::2], ys[1::2], "s", color=line.get_color(), ms=4)
+    plots.style(ax, None, "sublayer k (o attention = 2l, s MLP = 2l+1)", "||f(x)|| / ||alpha x||",
+                legend=10, which="both")
   return True
 
 

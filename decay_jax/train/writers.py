@@ -1,11 +1,22 @@
-"""Metric writers: everything to TensorBoard, a compact line to the console (clu writers)."""
+"""Metric writers: everything to TensorBoard and ``metrics.jsonl``, a compact line to the console.
+
+``metrics.jsonl`` holds one JSON object per write, ``{"step": int, <scalar name>: float, ...}``,
+appended across resumes, so curves (loss, KNN accuracy over training) can be read back without
+TensorBoard: ``read_scalars(workdir)``.
+"""
 
 from __future__ import annotations
+
+import json
+import math
+import os
+from typing import List, Tuple
 
 from clu import metric_writers
 
 CONSOLE_KEYS = ("loss", "lr", "grad_norm", "examples_per_sec", "model_tflops_per_sec_per_device",
                 "mfu", "knn/top1", "knn/top5", "steps_per_sec")
+JSONL = "metrics.jsonl"
 
 
 class ConsoleWriter(metric_writers.LoggingWriter):
@@ -17,9 +28,70 @@ class ConsoleWriter(metric_writers.LoggingWriter):
       super().write_scalars(step, kept)
 
 
+class JsonlWriter(metric_writers.MetricWriter):
+  """Appends scalars to ``workdir/metrics.jsonl``; other summaries are left to TensorBoard."""
+
+  def __init__(self, workdir: str):
+    self._file = open(os.path.join(workdir, JSONL), "a", encoding="utf-8")
+
+  def write_scalars(self, step, scalars):
+    row = {"step": int(step)}
+    for k, v in scalars.items():
+      v = float(v)
+      row[k] = v if math.isfinite(v) else str(v)  # JSON has no NaN/inf
+    self._file.write(json.dumps(row) + "\n")
+
+  def flush(self):
+    self._file.flush()
+
+  def close(self):
+    self._file.close()
+
+  def write_summaries(self, step, values, metadata=None):
+    pass
+
+  def write_images(self, step, images):
+    pass
+
+  def write_videos(self, step, videos):
+    pass
+
+  def write_audios(self, step, audios, *, sample_rate):
+    pass
+
+  def write_texts(self, step, texts):
+    pass
+
+  def write_histograms(self, step, arrays, num_buckets=None):
+    pass
+
+  def write_hparams(self, hparams):
+    pass
+
+
+def read_scalars(workdir: str, key: str) -> List[Tuple[int, float]]:
+  """``[(step, value)]`` of one scalar from ``metrics.jsonl``, the last write winning per step."""
+  path = os.path.join(workdir, JSONL)
+  if not os.path.exists(path):
+    return []
+  by_step = {}
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:  # a line cut by a crash
+        continue
+      if key in row:
+        by_step[row["step"]] = float(row[key])
+  return sorted(by_step.items())
+
+
 def make_writer(workdir: str, is_main: bool) -> metric_writers.MetricWriter:
-  """TensorBoard events in ``workdir`` (main process only) plus console lines, asynchronously."""
+  """TensorBoard events and metrics.jsonl in ``workdir`` (main process only) plus console lines,
+  asynchronously."""
   writers = [ConsoleWriter()]
   if is_main:
-    writers.append(metric_writers.SummaryWriter(workdir))
+    writers += [metric_writers.SummaryWriter(workdir), JsonlWriter(workdir)]
   return metric_writers.AsyncMultiWriter(writers)

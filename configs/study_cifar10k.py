@@ -1,0 +1,73 @@
+"""Small-scale study (issue 9): MAE-tiny on 10,000 CIFAR-10 images, 8,000 to train, 2,000 to test.
+
+Command (every arm of one grid, resumable; grids and arms in decay_jax/study.py):
+  python -m decay_jax.study --config=configs/study_cifar10k.py --workdir=/tmp/study --grid=alpha
+  python -m decay_jax.study --config=configs/study_cifar10k.py --workdir=/tmp/study --list
+Hardware: 2 CPU cores (the long budgets also run unchanged on one GPU).
+Expected time: measured per arm in docs/small_scale_study.md (about 20 min for 30 epochs on 2
+quiet cores, plus about 2 min of evaluation).
+Expected result: measured, in docs/small_scale_study.md. The question the grid answers is whether
+alpha_min < 1 beats alpha_min = 1 at this scale, at which settings, and in which block.
+
+Data: ``cifar10_train10k.npz`` (the 10,000 images of CIFAR-10 ``data_batch_1``, JPEG-75 copies; see
+the README of ../shared/data). The split is fixed: ``train[:8000]`` trains the MAE and is the KNN
+memory bank / probe training set, ``train[8000:]`` (2,000 images, 181-222 per class) is only ever
+evaluated. The file lives beside the repository on the project's machines; elsewhere pass
+``--config.data.dataset=npz:/path/to/cifar10_train10k.npz``.
+
+Model and recipe: the official MAE architecture scaled down (encoder 12 x 192, 3 heads, decoder
+8 x 128, patch 4 on 32 x 32, mask ratio 0.75, norm-pix loss), AdamW (0.9, 0.95), weight decay
+0.05, batch 128, warmup 2 epochs then half-cycle cosine, 30 epochs, RandomResizedCrop(0.2, 1) and
+flips. ``optim.lr`` 1e-3 is the absolute learning rate the earlier CPU test used; the study's
+``lr`` grid also runs the official rule 1.5e-4 x 128 / 256 = 7.5e-5. The KNN of the last block
+(k 20, T 0.07, mean of all tokens) is logged every 3 epochs; per-block probes, the linear probes
+and the rank pass run once at the end of each arm.
+"""
+
+import os
+
+from decay_jax.train import config as config_lib
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared",
+                    "data", "cifar10_train10k.npz")
+STEPS_PER_EPOCH = 8000 // 128  # the trainer rounds a partial last batch away
+
+
+def get_config():
+  c = config_lib.mae_config()
+  c.model.preset = "tiny/4"
+  c.model.alpha_min = 0.6
+  c.data.dataset = "npz:" + os.path.normpath(DATA)
+  c.data.train_split = "train[:8000]"
+  c.data.eval_split = "train[8000:]"
+  c.data.image_size = 32
+  c.data.normalize = "imagenet"
+  c.data.eval_resize = "resize"
+  c.batch_size = 128
+  c.num_epochs = 30.0
+  c.warmup_epochs = 2.0
+  c.optim.lr = 1e-3
+  c.checkpoint.every_steps = 10 * STEPS_PER_EPOCH
+  c.log_every_steps = STEPS_PER_EPOCH
+  c.picture_every_steps = 10 * STEPS_PER_EPOCH
+  c.evals.knn.every_steps = 3 * STEPS_PER_EPOCH  # each pass encodes 10,000 images
+  c.evals.knn.train_split = "train[:8000]"
+  c.evals.knn.eval_split = "train[8000:]"
+  c.evals.knn.max_train_examples = 0
+  c.evals.knn.batch_size = 500
+  c.evals.linear.train_split = "train[:8000]"
+  c.evals.linear.eval_split = "train[8000:]"
+  c.evals.linear.max_train_examples = 0
+  c.evals.linear.batch_size = 500
+  c.evals.linear.protocols = "official"
+  c.evals.linear.features = "mean,mean_ln,cls,cls_ln,patch_mean,patch_mean_ln"
+  c.evals.layers.train_split = "train[:8000]"
+  c.evals.layers.eval_split = "train[8000:]"
+  c.evals.layers.max_train_examples = 0
+  c.evals.layers.max_eval_examples = 0
+  c.evals.layers.batch_size = 500
+  c.evals.rank.split = "train[8000:]"
+  c.evals.rank.every_steps = 0
+  c.evals.rank.num_images = 1000
+  c.evals.rank.batch_size = 500
+  return c

@@ -1,0 +1,253 @@
+"""The study's grid, its arms (train then evaluate), and the table and plots over finished arms.
+
+The command is ``python -m decay_jax.study`` (its docstring lists the grids and outputs). Arms are
+dotted-field overrides of one base config; each trains with ``train.trainer`` in its own workdir
+and is evaluated by ``evals.suite.evaluate_model``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Dict, List, Sequence
+
+from absl import logging
+
+from decay_jax import plots
+
+ALPHAS = (0.6, 0.7, 0.8, 0.9, 1.0)
+OFFICIAL_BLR = 1.5e-4  # official_facts.md 2.3: lr = blr * batch / 256
+LAYER_FEATURES = ("mean", "mean_ln", "cls", "cls_ln")
+GRID_NAMES = ("alpha", "lr", "controls", "long")
+
+
+# ------------------------------------------------------------------------------------------------
+# The grid
+
+
+def _fmt(x: float) -> str:
+  return f"{x:g}"
+
+
+def arm(base, name_parts: Sequence[str], grid: str, **overrides) -> Dict[str, Any]:
+  """One arm: a name, its grid and the dotted-field overrides of the base config."""
+  epochs = overrides.get("num_epochs", base.num_epochs)
+  lr = overrides.get("optim.lr", base.optim.lr)
+  name = "_".join(list(name_parts) + [f"lr{_fmt(lr)}", f"e{_fmt(epochs)}"])
+  return {"name": name, "grid": grid, "overrides": overrides}
+
+
+def grid_arms(base, grids: Sequence[str], long_epochs: float) -> List[Dict[str, Any]]:
+  """The arms of ``grids`` in order, each name once (an arm shared by two grids runs once)."""
+  names = list(GRID_NAMES) if "all" in grids else list(grids)
+  bad = [g for g in names if g not in GRID_NAMES]
+  if bad or not names:
+    raise ValueError(f"grid={','.join(grids)} is not allowed; choose from "
+                     f"{', '.join(GRID_NAMES)} or all")
+  official_lr = OFFICIAL_BLR * base.batch_size / 256
+  out = []
+  for g in names:
+    if g == "alpha":
+      out += [arm(base, [f"a{_fmt(a)}"], g, **{"model.alpha_min": a}) for a in ALPHAS]
+    elif g == "lr":
+      out += [arm(base, [f"a{_fmt(a)}"], g, **{"model.alpha_min": a, "optim.lr": official_lr})
+              for a in ALPHAS]
+    elif g == "controls":
+      out += [arm(base, ["sqrt_half_both"], g, **{"model.shortcut_form": "sqrt_half_both",
+                                                   "model.alpha_min": 1.0}),
+              arm(base, ["attn_only", "a0.6"], g, **{"model.shortcut_form": "attn_only",
+                                                      "model.alpha_min": 0.6}),
+              arm(base, ["mlp_only", "a0.6"], g, **{"model.shortcut_form": "mlp_only",
+                                                     "model.alpha_min": 0.6})]
+    else:
+      out += [arm(base, [f"a{_fmt(a)}"], g, **{"model.alpha_min": a, "num_epochs": long_epochs})
+              for a in (0.6, 0.8, 1.0)]
+  seen, unique = set(), []
+  for a in out:
+    if a["name"] not in seen:
+      seen.add(a["name"])
+      unique.append(a)
+  return unique
+
+
+def arm_config(base, a):
+  from decay_jax.train import config as config_lib
+  cfg = base.copy_and_resolve_references()
+  config_lib.override(cfg, **a["overrides"])
+  # The rank pass runs once, in the evaluation below, instead of also at the end of training.
+  cfg.evals.rank.enabled = False
+  return cfg
+
+
+# ------------------------------------------------------------------------------------------------
+# One arm: train, then evaluate
+
+
+def _record_path(workdir: str) -> str:
+  return os.path.join(workdir, "study_record.json")
+
+
+def run_arm(a, cfg, workdir: str, mesh) -> Dict[str, Any]:
+  """Trains (or resumes) one arm and evaluates its final checkpoint; returns its record."""
+  from decay_jax import checkpoint as ckpt_lib
+  from decay_jax.data import pipeline
+  from decay_jax.evals import suite
+  from decay_jax.train import config as config_lib
+  from decay_jax.train import trainer, writers
+  total, _ = config_lib.steps_for(cfg, pipeline.dataset_info(cfg.data)["num_train"])
+  path = _record_path(workdir)
+  if os.path.exists(path):
+    with open(path) as f:
+      record = json.load(f)
+    if record.get("step") == total:
+      logging.info("arm %s: finished earlier, kept", a["name"])
+      return record
+  t0 = time.perf_counter()
+  results = trainer.train_and_evaluate(cfg, workdir)
+  if results.get("preempted"):
+    raise KeyboardInterrupt(f"arm {a['name']} stopped by SIGTERM at step {results['step']}")
+  train_seconds = time.perf_counter() - t0
+  params, step = ckpt_lib.restore_run_params(workdir, mesh)
+  model = suite.run_model(cfg, params)
+  t0 = time.perf_counter()
+  ev = suite.evaluate_model(a["name"], model, params, cfg.data, cfg.evals,
+                            ["knn", "linear", "layers", "rank"], mesh, {"workdir": workdir},
+                            layer_features=[f for f in LAYER_FEATURES
+                                            if f != cfg.evals.layers.feature])
+  layers = {cfg.evals.layers.feature: ev["sections"]["layers"],
+            **ev["sections"].pop("layers_by_feature", {})}
+  steps_per_epoch = pipeline.dataset_info(cfg.data)["num_train"] / cfg.batch_size
+  record = dict(
+      name=a["name"], grid=a["grid"], overrides=a["overrides"], step=step,
+      alpha_min=cfg.model.alpha_min, shortcut_form=cfg.model.shortcut_form,
+      lr=cfg.optim.lr, epochs=cfg.num_epochs, batch_size=cfg.batch_size,
+      final_loss=results.get("loss"), train_seconds=train_seconds,
+      eval_seconds=time.perf_counter() - t0, evaluation=ev, layers_by_feature=layers,
+      knn_curve=[(s / steps_per_epoch, v) for s, v in writers.read_scalars(workdir, "knn/top1")])
+  with open(path + ".tmp", "w") as f:
+    json.dump(record, f, indent=1)
+  os.replace(path + ".tmp", path)
+  return record
+
+
+# ------------------------------------------------------------------------------------------------
+# Table and plots
+
+
+def _pct(x) -> str:
+  return "-" if x is None else f"{100 * x:.2f}"
+
+
+def _probe(record, feature: str):
+  """Top-1 of the official linear probe on the last block for one feature choice (or None)."""
+  res = record["evaluation"]["sections"].get("linear", {}).get("official", {}).get("results", {})
+  return res.get(feature, {}).get("top1")
+
+
+def _arm_label(r) -> str:
+  form = "" if r["shortcut_form"] == "decay" else f"{r['shortcut_form']} "
+  return f"{form}a{r['alpha_min']:g}, lr {r['lr']:g}, {r['epochs']:g} ep"
+
+
+def table(records: Sequence[Dict[str, Any]]) -> str:
+  lines = [
+      "| arm | alpha_min | form | lr | epochs | final loss | KNN last | KNN best (block) | "
+      "probe mean | probe mean+LN | probe cls | probe cls+LN | fast linear best (block) / last "
+      "| train | eval |",
+      "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in records:
+    lay = r["layers_by_feature"]["mean"]
+    knn_last = r["evaluation"]["sections"]["knn"]["top1"]
+    lines.append(
+        f"| {r['name']} | {r['alpha_min']:g} | {r['shortcut_form']} | {r['lr']:g} | "
+        f"{r['epochs']:g} | {r['final_loss']:.4f} | {_pct(knn_last)} | "
+        f"{_pct(lay['knn']['best'])} ({lay['knn']['best_block'] + 1}) | "
+        + " | ".join(_pct(_probe(r, f)) for f in ("mean", "mean_ln", "cls", "cls_ln"))
+        + f" | {_pct(lay['linear']['best'])} ({lay['linear']['best_block'] + 1}) / "
+        f"{_pct(lay['linear']['last'])} | {r['train_seconds'] / 60:.1f} min | "
+        f"{r['eval_seconds'] / 60:.1f} min |")
+  return "\n".join(lines)
+
+
+def _groups(records):
+  """Records grouped by (lr, epochs): the arms whose curves differ only in the shortcuts."""
+  out: Dict[tuple, list] = {}
+  for r in records:
+    out.setdefault((r["lr"], r["epochs"]), []).append(r)
+  return out
+
+
+def plot_layers(records, path: str) -> None:
+  import numpy as np
+  groups = _groups(records)
+  with plots.figure(path, len(groups), 2, size=(11, 3.6 * len(groups)), dpi=110) as (_, axes):
+    for row, ((lr, epochs), rs) in enumerate(sorted(groups.items())):
+      for col, (key, title) in enumerate((("knn_top1", "KNN top-1"),
+                                          ("linear_top1", "fast linear top-1"))):
+        for r in rs:
+          ys = 100 * np.asarray(r["layers_by_feature"]["mean"][key])
+          axes[row, col].plot(range(1, len(ys) + 1), ys, marker="o", ms=3, label=_arm_label(r))
+        plots.style(axes[row, col], f"{title} per block (mean of tokens); lr {lr:g}, {epochs:g} "
+                    "epochs", "block", "accuracy (%)", legend=7)
+
+
+def plot_alpha(records, path: str) -> None:
+  decay = [r for r in records if r["shortcut_form"] == "decay"]
+  metrics = (("KNN, last block", lambda r: r["evaluation"]["sections"]["knn"]["top1"]),
+             ("KNN, best block", lambda r: r["layers_by_feature"]["mean"]["knn"]["best"]),
+             ("linear probe (official), mean", lambda r: _probe(r, "mean")))
+  with plots.figure(path, 1, 3, size=(15, 4), dpi=110) as (_, axes):
+    for ax, (title, get) in zip(axes[0], metrics):
+      for (lr, epochs), rs in sorted(_groups(decay).items()):
+        rs = sorted(rs, key=lambda r: r["alpha_min"])
+        vals = [get(r) for r in rs]
+        if any(v is None for v in vals):
+          continue
+        ax.plot([r["alpha_min"] for r in rs], [100 * v for v in vals], marker="o",
+                label=f"lr {lr:g}, {epochs:g} ep")
+      plots.style(ax, title, "alpha_min (1 = standard residual)", "top-1 (%)", legend=8)
+
+
+def plot_epochs(records, path: str) -> None:
+  groups = _groups(records)
+  with plots.figure(path, 1, len(groups), size=(6 * len(groups), 4), dpi=110) as (_, axes):
+    for ax, ((lr, _), rs) in zip(axes[0], sorted(groups.items())):
+      for r in rs:
+        if r["knn_curve"]:
+          xs, ys = zip(*r["knn_curve"])
+          ax.plot(xs, [100 * y for y in ys], marker=".", label=_arm_label(r))
+      plots.style(ax, f"KNN top-1 of the last block during training; lr {lr:g}", "epoch",
+                  "top-1 (%)", legend=7)
+
+
+def write_summary(workdir: str, records: Sequence[Dict[str, Any]], budget: str) -> str:
+  text = "\n".join([budget, "", table(records), ""])
+  with open(os.path.join(workdir, "study.md"), "w") as f:
+    f.write(text)
+  with open(os.path.join(workdir, "study.json"), "w") as f:
+    json.dump([{k: v for k, v in r.items() if k != "evaluation"} | {
+        "knn_last": r["evaluation"]["sections"]["knn"]["top1"]} for r in records], f, indent=1)
+  plot_layers(records, os.path.join(workdir, "accuracy_vs_layer.png"))
+  plot_alpha(records, os.path.join(workdir, "accuracy_vs_alpha.png"))
+  plot_epochs(records, os.path.join(workdir, "knn_vs_epochs.png"))
+  return text
+
+
+def finished_records(workdir: str) -> List[Dict[str, Any]]:
+  out = []
+  for name in sorted(os.listdir(workdir)) if os.path.isdir(workdir) else ():
+    path = _record_path(os.path.join(workdir, name))
+    if os.path.exists(path):
+      with open(path) as f:
+        out.append(json.load(f))
+  return out
+
+
+def budget(base) -> str:
+  return (f"Every arm: {base.model.preset} MAE, batch {base.batch_size}, warmup "
+          f"{base.warmup_epochs:g} epochs, data {base.data.dataset} ({base.data.train_split} to "
+          f"train, {base.data.eval_split} to evaluate), seed {base.seed}; arms differ only in the "
+          "fields in their names. Probes: KNN k 20 T 0.07 on the mean of all tokens; linear probe "
+          "of the official protocol on the last block per feature; fast linear probe per block. "
+          "Block numbers are 1-based.")

@@ -1,0 +1,131 @@
+"""The study command: its grid, two tiny arms trained and evaluated end to end, the table and plots,
+resuming a finished arm without retraining, and one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from decay_jax import sharding as shd
+from decay_jax.evals import study
+
+from testing_configs import REPO, load_config, override
+
+
+def tiny_base(npz_path: str):
+  """The study config shrunk to the micro model on 16-pixel images, 160 to train, 64 to test."""
+  c = load_config("study_cifar10k")
+  override(c, **{
+      "model.preset": "micro/4", "data.dataset": f"npz:{npz_path}", "data.image_size": 16,
+      "data.train_split": "train[:160]", "data.eval_split": "train[160:]", "batch_size": 16,
+      "num_epochs": 0.5, "warmup_epochs": 0.0, "log_every_steps": 1, "picture_every_steps": 0,
+      "checkpoint.every_steps": 5, "checkpoint.async_save": False, "mesh.data": 1,
+      "evals.knn.every_steps": 2, "evals.knn.train_split": "train[:160]",
+      "evals.knn.eval_split": "train[160:]", "evals.knn.batch_size": 64,
+      "evals.linear.train_split": "train[:160]", "evals.linear.eval_split": "train[160:]",
+      "evals.linear.batch_size": 64, "evals.layers.train_split": "train[:160]",
+      "evals.layers.eval_split": "train[160:]", "evals.layers.batch_size": 64,
+      "evals.layers.probe_epochs": 2, "evals.layers.probe_batch_size": 32,
+      "evals.rank.split": "train[160:]", "evals.rank.num_images": 32,
+      "evals.rank.batch_size": 32})
+  c.evals.linear.official.update(epochs=2, batch_size=32)
+  return c
+
+
+@pytest.fixture(scope="module")
+def studied(tmp_path_factory):
+  root = tmp_path_factory.mktemp("study")
+  rng = np.random.default_rng(0)
+  labels = np.arange(224) % 4
+  # Four classes told apart by brightness, plus noise: a feature-free task the probes can learn.
+  x = np.clip(rng.normal(40 + 50 * labels[:, None, None, None], 25, (224, 16, 16, 3)), 0, 255)
+  npz = str(root / "tiny.npz")
+  np.savez(npz, x_train=x.astype(np.uint8), y_train=labels.astype(np.int64))
+  base = tiny_base(npz)
+  arms = [a for a in study.grid_arms(base, ["alpha"], 100.0)
+          if a["overrides"]["model.alpha_min"] in (0.6, 1.0)]
+  mesh = shd.make_mesh(1, 1)
+  workdir = str(root / "grid")
+  records = [study.run_arm(a, study.arm_config(base, a), os.path.join(workdir, a["name"]), mesh)
+             for a in arms]
+  return base, arms, workdir, records, mesh
+
+
+def test_grid_names_and_overrides():
+  base = load_config("study_cifar10k")
+  arms = study.grid_arms(base, ["all"], 100.0)
+  names = [a["name"] for a in arms]
+  assert len(names) == len(set(names)) == 5 + 5 + 3 + 3
+  assert names[:5] == [f"a{a}_lr0.001_e30" for a in ("0.6", "0.7", "0.8", "0.9", "1")]
+  official = [a for a in arms if a["grid"] == "lr"]
+  assert {a["overrides"]["optim.lr"] for a in official} == {1.5e-4 * 128 / 256}
+  long = [a for a in arms if a["grid"] == "long"]
+  assert [a["name"] for a in long] == ["a0.6_lr0.001_e100", "a0.8_lr0.001_e100", "a1_lr0.001_e100"]
+  cfg = study.arm_config(base, [a for a in arms if a["name"].startswith("mlp_only")][0])
+  assert (cfg.model.shortcut_form, cfg.model.alpha_min) == ("mlp_only", 0.6)
+  assert base.model.shortcut_form == "decay"  # the base config is not modified
+  with pytest.raises(ValueError, match="grid=bogus is not allowed; choose from alpha, lr"):
+    study.grid_arms(base, ["bogus"], 100.0)
+  with pytest.raises(ValueError, match="has no field 'model.nope'"):
+    override(base.copy_and_resolve_references(), **{"model.nope": 1})
+
+
+def test_arms_are_trained_and_evaluated(studied):
+  _, arms, workdir, records, _ = studied
+  assert [r["name"] for r in records] == [a["name"] for a in arms]
+  assert [r["alpha_min"] for r in records] == [0.6, 1.0]
+  for r in records:
+    assert r["step"] == 5 and np.isfinite(r["final_loss"])
+    # KNN logged at steps 2 and 4 and at the last step 5, as epochs (10 steps per epoch).
+    assert [e for e, _ in r["knn_curve"]] == [0.2, 0.4, 0.5]
+    assert all(0.0 <= v <= 1.0 for _, v in r["knn_curve"])
+    # The final in-training KNN is the evaluation's KNN: the same evaluator, the same weights.
+    assert r["knn_curve"][-1][1] == r["evaluation"]["sections"]["knn"]["top1"]
+    for feature in study.LAYER_FEATURES:
+      lay = r["layers_by_feature"][feature]
+      assert lay["feature"] == feature and len(lay["knn_top1"]) == 4  # micro/4: 4 blocks
+      assert lay["knn"]["best"] == max(lay["knn_top1"])
+    probes = r["evaluation"]["sections"]["linear"]["official"]["results"]
+    assert set(probes) == {"mean", "mean_ln", "cls", "cls_ln", "patch_mean", "patch_mean_ln"}
+    assert len(r["evaluation"]["sections"]["rank"]["tokens_erank"]) == 4
+  # Each arm's model carries its own schedule (alpha_min 1 is the standard residual network).
+  assert records[0]["evaluation"]["model"]["alpha_min"] == 0.6
+  assert 0.1 < records[0]["evaluation"]["model"]["alpha_eff"] < 0.2  # micro/4: 0.150
+  assert records[1]["evaluation"]["model"]["alpha_eff"] == 1.0
+
+
+def test_table_plots_and_resume(studied):
+  base, arms, workdir, records, mesh = studied
+  text = study.write_summary(workdir, study.finished_records(workdir), study.budget(base))
+  rows = [line for line in text.splitlines() if line.startswith(("| a0.6_", "| a1_"))]
+  assert len(rows) == 2
+  r = records[0]
+  knn = 100 * r["evaluation"]["sections"]["knn"]["top1"]
+  probe = 100 * r["evaluation"]["sections"]["linear"]["official"]["results"]["cls_ln"]["top1"]
+  assert f"| {knn:.2f} |" in rows[0] and f"| {probe:.2f} |" in rows[0]
+  for png in ("accuracy_vs_layer.png", "accuracy_vs_alpha.png", "knn_vs_epochs.png"):
+    with open(os.path.join(workdir, png), "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  with open(os.path.join(workdir, "study.json")) as f:
+    assert [s["knn_last"] for s in json.load(f)] == [
+        x["evaluation"]["sections"]["knn"]["top1"] for x in records]
+  # A finished arm is kept as it is: no training, no evaluation.
+  path = os.path.join(workdir, arms[0]["name"], "study_record.json")
+  before = os.stat(path).st_mtime_ns
+  again = study.run_arm(arms[0], study.arm_config(base, arms[0]),
+                        os.path.join(workdir, arms[0]["name"]), mesh)
+  assert again == json.loads(json.dumps(records[0])) and os.stat(path).st_mtime_ns == before
+
+
+def test_bad_grid_is_one_line(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "decay_jax.study", "--config=configs/study_cifar10k.py",
+       f"--workdir={tmp_path}", "--grid=alpha", "--only=a0.5_lr0.001_e30", "--list"],
+      cwd=REPO, capture_output=True, text=True, timeout=120, env=dict(os.environ,
+                                                                      JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines()[-1].startswith(
+      "error: only=a0.5_lr0.001_e30 is not allowed; the arms of grid=alpha are a0.6_lr0.001_e30")
