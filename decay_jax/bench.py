@@ -34,16 +34,14 @@ def _early_fake_devices(argv) -> None:
 _early_fake_devices(sys.argv)
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from decay_jax import flops  # noqa: E402
+from decay_jax import flops, memory  # noqa: E402
 from decay_jax import sharding as shd  # noqa: E402
-from decay_jax.data import pipeline  # noqa: E402
 from decay_jax.train import config as config_lib  # noqa: E402
-from decay_jax.train import optim, step as step_lib, tasks  # noqa: E402
+from decay_jax.train import step as step_lib  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _TASK = flags.DEFINE_enum("task", "mae", ["mae", "sit"], "Without --config: the task's defaults.")
@@ -57,41 +55,6 @@ flags.DEFINE_integer("fake_devices", 0, "Number of fake CPU devices (read before
 _CHANNELS = flags.DEFINE_integer("channels", 0, "Input channels (0: 3 for MAE, 4 for SiT).")
 _TORCH = flags.DEFINE_bool("torch", False, "Also time the PyTorch reference (CPU, fp32).")
 _OUT = flags.DEFINE_string("out", None, "Append the result as one JSON line to this file.")
-
-
-def build(config, batch: int):
-  channels = _CHANNELS.value or (3 if config.task == "mae" else 4)
-  if config.data.dataset == "embedded_mnist" or config.data.dataset.startswith("npz:"):
-    channels = pipeline.dataset_info(config.data)["channels"]  # cheap for in-memory data
-  info = {"image_size": config.data.image_size, "channels": channels, "num_train": batch * 1000}
-  model = config_lib.build_model(config, info)
-  task = (tasks.MAETask if config.task == "mae" else tasks.SiTTask)(model)
-  tx, schedule = optim.make_optimizer(config.optim, batch, 1000, 10)
-  return model, task, tx, schedule
-
-
-def abstract_batch(model, config, batch: int, mesh):
-  s = shd.batch_sharding(mesh)
-  if config.task == "mae":
-    shape = (batch, model.img_size, model.img_size, model.in_chans)
-  else:
-    shape = (batch, model.input_size, model.input_size, model.in_channels)
-  return {"image": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s),
-          "label": jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=s)}
-
-
-def memory_report(compiled) -> dict:
-  try:
-    m = compiled.memory_analysis()
-  except Exception:  # some backends do not implement it
-    return {}
-  if m is None:
-    return {}
-  gib = lambda b: round(b / 2 ** 30, 3)
-  return {"argument_gib": gib(m.argument_size_in_bytes), "output_gib": gib(m.output_size_in_bytes),
-          "temp_gib": gib(m.temp_size_in_bytes),
-          "peak_estimate_gib": gib(m.argument_size_in_bytes + m.output_size_in_bytes
-                                   + m.temp_size_in_bytes - m.alias_size_in_bytes)}
 
 
 def torch_reference_seconds(config, model, batch: int, steps: int) -> float:
@@ -148,21 +111,10 @@ def main(argv):
   mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp)
   batch = _BATCH.value * mesh.size if _BATCH.value else config.batch_size
   shd.check_batch(batch, mesh, config.accum_steps)
-  model, task, tx, schedule = build(config, batch)
+  c = memory.compile_train_step(config, batch, _CHANNELS.value)
+  model, task, tx, compiled = c["model"], c["task"], c["tx"], c["compiled"]
+  abstract, shardings, a_batch = c["abstract"], c["shardings"], c["a_batch"]
   ema = config.ema_decay > 0
-  abstract = step_lib.abstract_state(task, tx, config.seed, ema)
-  shardings = step_lib.state_shardings(abstract, tx, mesh)
-  train_step = step_lib.jit_train_step(
-      step_lib.make_train_step(task, tx, schedule, config.accum_steps, config.ema_decay),
-      shardings, mesh)
-  a_state = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                   abstract, shardings)
-  a_batch = abstract_batch(model, config, batch, mesh)
-  t0 = time.perf_counter()
-  lowered = train_step.lower(a_state, a_batch)
-  t1 = time.perf_counter()
-  compiled = lowered.compile()
-  t2 = time.perf_counter()
   n_params = sum(int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(abstract["params"]))
   flops_step = task.train_flops_per_example() * batch
   name = (os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"]))
@@ -173,8 +125,11 @@ def main(argv):
          "devices": mesh.size, "device_kind": jax.devices()[0].device_kind,
          "mesh": dict(mesh.shape), "global_batch": batch, "accum_steps": config.accum_steps,
          "params": n_params, "model_gflops_per_example": task.train_flops_per_example() / 1e9,
-         "lower_seconds": round(t1 - t0, 2), "compile_seconds": round(t2 - t1, 2),
-         **memory_report(compiled)}
+         "lower_seconds": round(c["lower_seconds"], 2),
+         "compile_seconds": round(c["compile_seconds"], 2), **memory.memory_report(compiled)}
+  if config.task == "sit":  # residual routing: parameters and train FLOPs against plain residuals
+    from decay_jax.models import routing
+    res.update(routing.overhead(model))
   if not _COMPILE_ONLY.value:
     rng = np.random.default_rng(0)
     local = {"image": rng.standard_normal(a_batch["image"].shape, np.float32),
@@ -184,11 +139,14 @@ def main(argv):
                     out_shardings=shardings)()
     state, m = compiled(state, data)
     jax.block_until_ready(m)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     for _ in range(_STEPS.value):
       state, m = compiled(state, data)
     jax.block_until_ready(m)
     sec = (time.perf_counter() - t) / _STEPS.value
+    # CPU seconds of this process (all threads) per step: on CPU, the work done, which a shared
+    # machine inflates less than the wall clock.
+    res["step_cpu_seconds"] = round((time.process_time() - cpu) / _STEPS.value, 5)
     peak = flops.peak_flops_per_device(config.get("peak_tflops_per_device", 0.0))
     res.update(step_seconds=round(sec, 5), images_per_sec=round(batch / sec, 1),
                images_per_sec_per_device=round(batch / sec / mesh.size, 1),

@@ -48,3 +48,21 @@ def test_tpu_pod_dry_run_targets_all_workers():
   assert "configs/mae_vit_l16.py" in lines[1] and "gs://b/run" in lines[1]
   p = run(["bash", "launch/tpu_pod.sh", "configs/mae_vit_l16.py", "gs://b/run"], DRY_RUN="1")
   assert p.returncode != 0 and "TPU_NAME" in p.stderr
+
+
+def test_gpu_bench_dry_run_runs_sit_xl2_and_mae_vit_l_in_bf16_with_cudnn():
+  p = run(["bash", "launch/gpu_bench.sh", "/tmp/out.jsonl"], DRY_RUN="1")
+  assert p.returncode == 0, p.stderr
+  sit, mae = p.stdout.strip().splitlines()
+  for line in (sit, mae):
+    assert line.startswith(".venv/bin/python -m decay_jax.bench ")
+    assert "--config.model.dtype=bfloat16 --config.model.attention_impl=cudnn" in line
+    assert "--steps=20 --out=/tmp/out.jsonl" in line and "micro" not in line
+  assert "--config=configs/sit_xl2.py --batch_per_device=64" in sit
+  assert "--config=configs/mae_vit_l16.py --batch_per_device=128" in mae
+  # The CPU check of the script: tiny models, XLA attention (cuDNN needs a GPU).
+  p = run(["bash", "launch/gpu_bench.sh"], DRY_RUN="1", BENCH_PLATFORM="cpu")
+  assert p.returncode == 0 and p.stdout.count("--config.model.preset=micro/4") == 2
+  assert "attention_impl=xla" in p.stdout and "cudnn" not in p.stdout
+  p = run(["bash", "launch/gpu_bench.sh"], BENCH_PLATFORM="tpu")
+  assert p.returncode == 2 and "BENCH_PLATFORM=tpu is not allowed" in p.stderr

@@ -65,8 +65,10 @@ class MAETask:
       metrics[f"feature_norm/decoder_{i:02d}"] = v
     return out["loss"], metrics
 
-  def picture(self, params, batch, rng, num: int = 8) -> np.ndarray:
-    """Rows: masked input, reconstruction (visible patches pasted back), target image."""
+  def picture(self, params, batch, rng, num: int = 8, live=None) -> np.ndarray:
+    """Rows: masked input, reconstruction (visible patches pasted back), target image.
+    (``live``: the SiT task's; MAE trains without an EMA.)"""
+    del live
     m = self.model
     imgs = batch["image"][:num]
     out = jax.jit(lambda p, x, r: m.apply({"params": p}, x, rngs={"masking": r}))(params, imgs, rng)
@@ -151,9 +153,13 @@ class SiTTask:
                                last_step=c.last_step, last_step_size=c.last_step_size,
                                num_steps=c.num_steps)
 
-  def picture(self, params, batch, rng, num: Optional[int] = None) -> np.ndarray:
+  def picture(self, params, batch, rng, num: Optional[int] = None, live=None) -> np.ndarray:
     """A grid of samples from fixed noise (from ``rng``) and labels ``0, 1, 2, ...``; for a routed
-    model, with the heat-map of its routing weights on these samples noised to t = 0.1, 0.5, 0.9."""
+    model, with the heat-map of its routing weights on these samples noised to t = 0.1, 0.5, 0.9.
+
+    ``params`` sample (the EMA in training); the heat-map reads ``live`` (the trained weights, when
+    given): an EMA of 0.999 or 0.9999 keeps the routing near its uniform start for thousands of
+    steps, while the trained weights show where the routing is heading."""
     m = self.model
     n = num or self.sample_cfg.grid_size
     noise = jax.random.normal(rng, (n, m.input_size, m.input_size, m.in_channels))
@@ -168,7 +174,8 @@ class SiTTask:
       rows[-1] = np.concatenate([rows[-1], pad])
     if m.residual_routing in routing.ROUTED:  # routing weights per sublayer, next to the samples
       return routing.side_by_side(grid(rows), routing.routing_picture(
-          m, params, self.transport, images, labels, jax.random.fold_in(rng, 2)))
+          m, params if live is None else live, self.transport, images, labels,
+          jax.random.fold_in(rng, 2)))
     return grid(rows)
 
   def train_flops_per_example(self) -> float:

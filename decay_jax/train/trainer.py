@@ -199,11 +199,13 @@ def train_and_evaluate(config, workdir: str) -> Dict[str, Any]:
         results.update(step=step, loss=scalars["loss"])
         window_start, window_steps = time.perf_counter(), 0
       if config.picture_every_steps and (step % config.picture_every_steps == 0 or last):
-        if is_main and (fixed_pictures is not None or not task.picture_needs_batch):
+        if fixed_pictures is not None or not task.picture_needs_batch:
           shown = state["ema"] if use_ema else state["params"]  # SiT samples with the EMA
-          _save_picture(workdir, step, task.picture(shown, fixed_pictures,
-                                                    jax.random.key(config.seed)), writer,
-                        task.picture_name)
+          # Every process runs the picture program (FSDP parameters may span hosts); one saves it.
+          picture = task.picture(shown, fixed_pictures, jax.random.key(config.seed),
+                                 live=state["params"])
+          if is_main:
+            _save_picture(workdir, step, picture, writer, task.picture_name)
       save_every = config.checkpoint.every_steps
       if (save_every and step % save_every == 0) or last or preempted:
         if history:
