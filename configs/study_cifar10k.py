@@ -1,17 +1,18 @@
 """Small-scale study (issue 9): MAE-tiny on 10,000 CIFAR-10 images, 8,000 to train, 2,000 to test.
 
-Command (every arm of one grid, resumable; grids and arms in decay_jax/study.py):
+Command (every arm of one grid, resumable; grids and arms in decay_jax/evals/study.py):
   python -m decay_jax.study --config=configs/study_cifar10k.py --workdir=/tmp/study --grid=alpha
   python -m decay_jax.study --config=configs/study_cifar10k.py --workdir=/tmp/study --list
-Hardware: 2 CPU cores (the long budgets also run unchanged on one GPU).
-Expected time: measured per arm in docs/small_scale_study.md (about 20 min for 30 epochs on 2
-quiet cores, plus about 2 min of evaluation).
+Hardware: one GPU for the whole grid (minutes); 2 CPU cores run it too, slowly.
+Expected time: estimated from model FLOPs (1.35 GFLOP per training image) and the measured speed
+of the demo model: about 2 h per 30-epoch arm on 2 quiet CPU cores, plus a few minutes of
+evaluation; the measured times per arm go into docs/small_scale_study.md.
 Expected result: measured, in docs/small_scale_study.md. The question the grid answers is whether
 alpha_min < 1 beats alpha_min = 1 at this scale, at which settings, and in which block.
 
 Data: ``cifar10_train10k.npz`` (the 10,000 images of CIFAR-10 ``data_batch_1``, JPEG-75 copies; see
 the README of ../shared/data). The split is fixed: ``train[:8000]`` trains the MAE and is the KNN
-memory bank / probe training set, ``train[8000:]`` (2,000 images, 181-222 per class) is only ever
+memory bank / probe training set, ``train[8000:]`` (2,000 images, 172-216 per class) is only ever
 evaluated. The file lives beside the repository on the project's machines; elsewhere pass
 ``--config.data.dataset=npz:/path/to/cifar10_train10k.npz``.
 
