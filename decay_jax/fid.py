@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -55,6 +56,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       raise ValueError("give --ref (to compute FID) and/or --save_stats (to write statistics)")
     if a.batch_size < 1:
       raise ValueError(f"batch_size={a.batch_size} is not allowed; it must be >= 1")
+    for field in ("samples", "ref", "inception"):
+      path = getattr(a, field)
+      if path and not os.path.exists(path):
+        raise ValueError(f"--{field}={path!r} is not allowed; no such file or folder")
     needs_net = any(x and not (x.endswith(".npz") and gen.load_stats(x) is not None)
                     for x in (a.samples, a.ref))
     model = params = None

@@ -123,3 +123,6 @@ def test_statistics_files_and_command(tmp_path, capsys):
       pytorch_fid_frechet(mu, sigma, mu2, sigma2), rel=1e-6)
   assert fid.main([f"--samples={tmp_path / 'images.npz'}", f"--ref={tmp_path / 'b.npz'}"]) == 2
   assert "--inception is required" in capsys.readouterr().err
+  assert fid.main([f"--samples={tmp_path / 'nope.npz'}", f"--ref={tmp_path / 'b.npz'}"]) == 2
+  assert capsys.readouterr().err.strip() == (
+      f"error: --samples={str(tmp_path / 'nope.npz')!r} is not allowed; no such file or folder")
