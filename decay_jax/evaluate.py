@@ -50,21 +50,6 @@ _WEIGHTS = flags.DEFINE_enum("weights", "params", list(WEIGHTS),
 _FSDP = flags.DEFINE_integer("fsdp", 1, "Devices that split each parameter (mesh fsdp axis).")
 
 
-# ------------------------------------------------------------------------------------------------
-# Configs and checkpoints
-
-
-def run_config(workdir: str):
-  """The MAE config a run was trained with (see ``checkpoint.run_config``)."""
-  from decay_jax import checkpoint
-  return checkpoint.run_config(workdir, task="mae")
-
-
-def restore_run_params(workdir: str, mesh, step: int = -1, weights: str = "params"):
-  from decay_jax import checkpoint
-  return checkpoint.restore_run_params(workdir, mesh, step, weights)
-
-
 def _models(mesh):
   """Yields ``(name, model, params, data_cfg, evals_cfg, source)`` for every requested model."""
   import jax
@@ -77,8 +62,8 @@ def _models(mesh):
   for (kind, path), label in zip(paths, labels):
     path = os.path.abspath(path)
     if kind == "workdir":
-      run_cfg = run_config(path)
-      params, step = restore_run_params(path, mesh, _STEP.value, _WEIGHTS.value)
+      run_cfg = ckpt_lib.run_config(path, task="mae")
+      params, step = ckpt_lib.restore_run_params(path, mesh, _STEP.value, _WEIGHTS.value)
       model = suite.run_model(run_cfg, params)
       source = {"workdir": path, "step": step, "weights": _WEIGHTS.value}
       data_cfg, evals_cfg = (given.data, given.evals) if given else (run_cfg.data, run_cfg.evals)

@@ -46,12 +46,6 @@ _OUT = flags.DEFINE_string("out", None, "Output directory.")
 _VAE = flags.DEFINE_string("vae", None, "Latent runs: converted VAE directory to decode with.")
 
 
-def to_uint8_official(x):
-  """``clip(127.5 x + 128, 0, 255)`` truncated (the official sample_ddp rounding)."""
-  import numpy as np
-  return np.clip(127.5 * np.asarray(x, np.float32) + 128.0, 0, 255).astype(np.uint8)
-
-
 def sample_config(base):
   c = base.copy_and_resolve_references()
   for flag, key in ((_MODE, "mode"), (_METHOD, "method"), (_STEPS, "num_steps"),
@@ -102,6 +96,7 @@ def main(argv):
   from PIL import Image
 
   from decay_jax import checkpoint, sharding as shd
+  from decay_jax.evals import generation
   from decay_jax.train import tasks, trainer
 
   try:
@@ -159,7 +154,7 @@ def main(argv):
     if vae is not None:
       all_latents.append(np.asarray(jax.device_get(out))[:keep])
       # uint8 per batch: 50K decoded float images would need 39 GB of host memory.
-      images.append(to_uint8_official(jax.device_get(decode(vae_params, out))[:keep]))
+      images.append(generation.to_uint8_official(jax.device_get(decode(vae_params, out))[:keep]))
     else:
       images.append(np.asarray(jax.device_get(out))[:keep])
     all_labels.append(np.asarray(labels)[:keep])
@@ -180,8 +175,8 @@ def main(argv):
     if vae is not None:
       pixels = x
     else:
-      pixels = to_uint8_official(x) if config.data.normalize == "half" else tasks.to_uint8(
-          x, task.mean, task.std)
+      pixels = (generation.to_uint8_official(x) if config.data.normalize == "half"
+                else tasks.to_uint8(x, task.mean, task.std))
     if pixels.shape[-1] == 1:
       pixels = np.repeat(pixels, 3, axis=-1)
     np.savez(os.path.join(out_dir, "samples.npz"), arr_0=pixels, labels=labels)

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from decay_jax import checkpoint as ckpt_lib
-from decay_jax import evaluate
 from decay_jax.evals import suite
 from decay_jax import sharding as shd
 from decay_jax.train import trainer
@@ -75,9 +74,9 @@ def test_rank_and_branch_ratios_are_logged_during_training(trained):
 def test_report_on_run_and_converted_checkpoint(trained):
   root, cfg_path, workdir, res = trained
   mesh = shd.make_mesh(1, 1)
-  params, step = evaluate.restore_run_params(workdir, mesh)
+  params, step = ckpt_lib.restore_run_params(workdir, mesh)
   assert step == 4
-  model = suite.run_model(evaluate.run_config(workdir), params)
+  model = suite.run_model(ckpt_lib.run_config(workdir, task="mae"), params)
   converted = str(root / "converted")
   ckpt_lib.save_params(converted, params, model)  # what `python -m decay_jax.convert` writes
   out = str(root / "report")
@@ -124,4 +123,4 @@ def test_bad_flags_fail_with_one_line(tmp_path):
   assert proc.stderr.strip() == ("error: --checkpoint needs --config=FILE for its data and "
                                  "evaluator settings (e.g. configs/mae_vit_b16.py)")
   with pytest.raises(ValueError, match="has no config.json"):
-    evaluate.run_config(str(tmp_path))
+    ckpt_lib.run_config(str(tmp_path), task="mae")

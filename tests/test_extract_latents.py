@@ -20,7 +20,7 @@ from PIL import Image
 import torch_reference_external as ref
 from decay_jax import checkpoint, convert_external as ce, fid
 from decay_jax.data import pipeline
-from decay_jax.sample import to_uint8_official
+from decay_jax.evals import generation as gen
 from decay_jax.tools import extract_latents as ex
 from decay_jax.train import trainer
 from testing_configs import REPO, load_config, override
@@ -125,7 +125,7 @@ def test_pipeline_extract_train_sample_fid(folder, tmp_path):
   vae, params = checkpoint.load_params(str(folder / "vae"))
   decoded = vae.apply({"params": params}, jnp.asarray(z[:2]) / vae.scaling_factor,
                       method=vae.decode)
-  assert np.abs(to_uint8_official(decoded).astype(int) - samples[:2]).max() <= 1
+  assert np.abs(gen.to_uint8_official(decoded).astype(int) - samples[:2]).max() <= 1
 
   tmodel = ref.randomize_inception_(ref.FIDInception(), seed=1)
   torch.save(tmodel.state_dict(), tmp_path / "pt_inception.pth")

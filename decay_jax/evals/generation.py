@@ -41,6 +41,12 @@ IMAGE_EXTENSIONS = (".bmp", ".jpg", ".jpeg", ".pgm", ".png", ".ppm", ".tif", ".t
 # ------------------------------------------------------------------------------------------------
 
 
+def to_uint8_official(x) -> np.ndarray:
+  """Samples in [-1, 1] -> uint8 ``clip(127.5 x + 128, 0, 255)`` truncated (the official
+  sample_ddp rounding, which ADM's evaluator and our FID read)."""
+  return np.clip(127.5 * np.asarray(x, np.float32) + 128.0, 0, 255).astype(np.uint8)
+
+
 def statistics(acts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
   """``(mu (D,), sigma (D, D))`` of activations ``(N, D)``, float64 (sigma unbiased)."""
   acts = np.asarray(acts, np.float64)
