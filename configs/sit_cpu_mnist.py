@@ -26,13 +26,13 @@ def get_config():
   c.data.crop_ratio = (1.0, 1.0)
   c.data.flip = False
   c.batch_size = 64
-  c.num_train_steps = 3000
+  c.num_train_steps = 8000
   c.ema_decay = 0.999  # 0.9999 needs far more than 3000 steps to forget the initialisation
   c.optim.lr = 1e-3
   c.sample.cfg_scale = 2.0
   c.sample.cfg_channels = 0  # one channel: guide all of it
   c.sample.num_steps = 30
   c.log_every_steps = 50
-  c.picture_every_steps = 500
+  c.picture_every_steps = 1000
   c.checkpoint.every_steps = 500
   return c
