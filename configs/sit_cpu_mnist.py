@@ -3,7 +3,9 @@
 Command:
   python -m decay_jax.main --config=configs/sit_cpu_mnist.py --workdir=/tmp/sit_mnist
   python -m decay_jax.sample --workdir=/tmp/sit_mnist --num=64
-Hardware: 2 CPU cores. Expected time and result: measured, see the README (SiT section).
+Hardware: 2 CPU cores. Expected time: about 85 min (1.6 steps/s on idle cores), sampling 14 s.
+Expected result (measured, README SiT section): final loss 0.176; about 60 of 64 samples are
+clearly the requested digit.
 
 Images are scaled to [-1, 1] (the official Normalize(0.5, 0.5)), no crop and no flip (a flipped
 digit is another symbol). Classes are the 10 digits, with the null class 10 for guidance.
@@ -27,7 +29,7 @@ def get_config():
   c.data.flip = False
   c.batch_size = 64
   c.num_train_steps = 8000
-  c.ema_decay = 0.999  # 0.9999 needs far more than 3000 steps to forget the initialisation
+  c.ema_decay = 0.999  # 0.9999 needs far more than 8000 steps to forget the initialisation
   c.optim.lr = 1e-3
   c.sample.cfg_scale = 2.0
   c.sample.cfg_channels = 0  # one channel: guide all of it
