@@ -101,16 +101,17 @@ def main(argv):
   config = _CONFIG.value
   if config is None:
     config = config_lib.mae_config() if _TASK.value == "mae" else config_lib.sit_config()
-    if _PRESET.value:
-      config.model.preset = _PRESET.value
-  if _DTYPE.value:
-    config.model.dtype = _DTYPE.value
-  if _REMAT.value:
-    config.model.remat_policy = _REMAT.value
-  config_lib.validate(config)
-  mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp)
-  batch = _BATCH.value * mesh.size if _BATCH.value else config.batch_size
-  shd.check_batch(batch, mesh, config.accum_steps)
+  try:  # bad value: one line, nothing compiled
+    config_lib.override(config, **config_lib.model_overrides(
+        preset=None if _CONFIG.value is not None else _PRESET.value, dtype=_DTYPE.value,
+        remat=_REMAT.value))
+    config_lib.validate(config)
+    mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp)
+    batch = _BATCH.value * mesh.size if _BATCH.value else config.batch_size
+    shd.check_batch(batch, mesh, config.accum_steps)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   c = memory.compile_train_step(config, batch, _CHANNELS.value)
   model, task, tx, compiled = c["model"], c["task"], c["tx"], c["compiled"]
   abstract, shardings, a_batch = c["abstract"], c["shardings"], c["a_batch"]

@@ -223,11 +223,8 @@ def main(argv):
     configs = []
     for fsdp, remat in itertools.product(fsdps, remats):  # validate every one before compiling
       c = base.copy_and_resolve_references()
-      c.mesh.data, c.mesh.fsdp, c.model.remat_policy = -1, fsdp, remat
-      if FLAGS.preset:
-        c.model.preset = FLAGS.preset
-      if FLAGS.dtype:
-        c.model.dtype = FLAGS.dtype
+      c.mesh.data, c.mesh.fsdp = -1, fsdp
+      config_lib.override(c, **config_lib.model_overrides(FLAGS.preset, FLAGS.dtype, remat))
       config_lib.validate(c)
       mesh = shd.make_mesh(c.mesh.data, c.mesh.fsdp)
       shd.check_batch(FLAGS.batch or c.batch_size, mesh, c.accum_steps)

@@ -64,3 +64,14 @@ def test_command_line_rejects_bad_values_in_one_line():
                         "--preset=micro/4", "--devices=8"] + args, cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == line, p.stderr
+
+
+def test_bench_rejects_bad_model_flags_in_one_line():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  for args, line in ((["--remat=some"], "error: model.remat_policy='some' is not allowed; "
+                                        "choose one of 'none', 'full', 'dots'"),
+                     (["--dtype=float8"], "error: model.dtype='float8' is not allowed")):
+    p = subprocess.run([sys.executable, "-m", "decay_jax.bench", "--task=sit",
+                        "--preset=micro/4", "--compile_only"] + args, cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith(line), p.stderr

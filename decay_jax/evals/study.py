@@ -95,7 +95,8 @@ def run_arm(a, cfg, workdir: str, mesh) -> Dict[str, Any]:
   from decay_jax.evals import suite
   from decay_jax.train import config as config_lib
   from decay_jax.train import trainer, writers
-  total, _ = config_lib.steps_for(cfg, pipeline.dataset_info(cfg.data)["num_train"])
+  num_train = pipeline.dataset_info(cfg.data)["num_train"]
+  total, _ = config_lib.steps_for(cfg, num_train)
   path = _record_path(workdir)
   if os.path.exists(path):
     with open(path) as f:
@@ -117,7 +118,7 @@ def run_arm(a, cfg, workdir: str, mesh) -> Dict[str, Any]:
                                             if f != cfg.evals.layers.feature])
   layers = {cfg.evals.layers.feature: ev["sections"]["layers"],
             **ev["sections"].pop("layers_by_feature", {})}
-  steps_per_epoch = pipeline.dataset_info(cfg.data)["num_train"] / cfg.batch_size
+  steps_per_epoch = num_train / cfg.batch_size
   record = dict(
       name=a["name"], grid=a["grid"], overrides=a["overrides"], step=step,
       alpha_min=cfg.model.alpha_min, shortcut_form=cfg.model.shortcut_form,

@@ -173,6 +173,8 @@ def validate(config) -> None:
   schedules.check_choice("model.dtype", config.model.dtype, fields.COMPUTE_DTYPES)
   schedules.check_choice("model.attention_impl", config.model.attention_impl or None,
                          layers.ATTENTION_IMPLS)
+  schedules.check_choice("model.remat_policy", config.model.remat_policy, layers.REMAT_POLICIES)
+  schedules.check_choice("model.shortcut_form", config.model.shortcut_form, schedules.FORMS)
   if config.task == "mae":
     if not 0.0 < config.model.mask_ratio < 1.0:
       raise ValueError(f"model.mask_ratio={config.model.mask_ratio!r} is not allowed; it must be "
@@ -212,3 +214,12 @@ def override(config, **overrides):
       raise ValueError(f"{key}={value!r} is not allowed; the config has no field {key!r}")
     node[last] = value
   return config
+
+
+def model_overrides(preset=None, dtype=None, remat=None) -> dict:
+  """The dotted overrides of the command-line model flags that were given (``None``/empty: keep).
+
+  ``bench`` and ``memory`` share these flags; ``validate`` checks the values afterwards.
+  """
+  given = {"model.preset": preset, "model.dtype": dtype, "model.remat_policy": remat}
+  return {k: v for k, v in given.items() if v}

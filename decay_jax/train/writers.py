@@ -2,7 +2,7 @@
 
 ``metrics.jsonl`` holds one JSON object per write, ``{"step": int, <scalar name>: float, ...}``,
 appended across resumes, so curves (loss, KNN accuracy over training) can be read back without
-TensorBoard: ``read_scalars(workdir)``.
+TensorBoard: ``read_scalars(workdir, key)``.
 """
 
 from __future__ import annotations
