@@ -13,8 +13,9 @@ mean, mean+LN, cls and cls+LN (``evals.layers``), and the rank pass. The KNN of 
 training (``evals.knn.every_steps``, read back from ``metrics.jsonl``) gives the curve over epochs.
 
 Writes ``DIR/<arm>/study_record.json`` per arm and, over all finished arms of the workdir,
-``DIR/study.md`` (the table, budget and timings), ``DIR/study.json`` and the plots
-``DIR/accuracy_vs_layer.png``, ``DIR/accuracy_vs_alpha.png`` and ``DIR/knn_vs_epochs.png``.
+``DIR/study.md`` (the table, budget and timings, then every block's KNN and fast linear top-1 per
+arm and feature), ``DIR/study.json`` and the plots ``DIR/accuracy_vs_layer.png`` (one panel per
+feature choice), ``DIR/accuracy_vs_alpha.png`` and ``DIR/knn_vs_epochs.png``.
 
 Grids (``--grid``, comma-separated; ``all`` is every grid):
   ``alpha``     alpha_min in {0.6, 0.7, 0.8, 0.9, 1.0} at the config's learning rate

@@ -100,12 +100,21 @@ def test_arms_are_trained_and_evaluated(studied):
 def test_table_plots_and_resume(studied):
   base, arms, workdir, records, mesh = studied
   text = study.write_summary(workdir, study.finished_records(workdir), study.budget(base))
-  rows = [line for line in text.splitlines() if line.startswith(("| a0.6_", "| a1_"))]
+  rows = [line for line in text.splitlines() if line.startswith(("| a0.6_", "| a1_"))
+          and "| decay |" in line]
   assert len(rows) == 2
   r = records[0]
   knn = 100 * r["evaluation"]["sections"]["knn"]["top1"]
   probe = 100 * r["evaluation"]["sections"]["linear"]["official"]["results"]["cls_ln"]["top1"]
   assert f"| {knn:.2f} |" in rows[0] and f"| {probe:.2f} |" in rows[0]
+  # Per-block table: 2 arms x 4 features x (KNN, linear) rows, one cell per block of micro/4.
+  lay = r["layers_by_feature"]["cls_ln"]
+  block_rows = [line for line in text.splitlines() if line.startswith("| a0.6_")
+                and "| cls_ln | linear |" in line]
+  assert len(block_rows) == 1 and block_rows[0].endswith(
+      " | ".join(f"{100 * v:.2f}" for v in lay["linear_top1"])
+      + f" | {100 * lay['linear']['best']:.2f} ({lay['linear']['best_block'] + 1}) |")
+  assert sum(" | KNN | " in line or " | linear | " in line for line in text.splitlines()) == 16
   for png in ("accuracy_vs_layer.png", "accuracy_vs_alpha.png", "knn_vs_epochs.png"):
     with open(os.path.join(workdir, png), "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"

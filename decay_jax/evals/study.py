@@ -171,6 +171,21 @@ def table(records: Sequence[Dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
+def layer_table(records: Sequence[Dict[str, Any]]) -> str:
+  """Top-1 of every block for every arm, feature choice and probe (KNN; fast linear probe)."""
+  depth = max(len(r["layers_by_feature"]["mean"]["knn_top1"]) for r in records)
+  lines = ["| arm | feature | probe | " + " | ".join(str(b) for b in range(1, depth + 1))
+           + " | best (block) |", "|---|---|---|" + "---:|" * (depth + 1)]
+  for r in records:
+    for feature, lay in r["layers_by_feature"].items():
+      for probe, key in (("KNN", "knn"), ("linear", "linear")):
+        cells = [_pct(v) for v in lay[f"{key}_top1"]] + ["-"] * (depth - len(lay[f"{key}_top1"]))
+        best = f"{_pct(lay[key]['best'])} ({lay[key]['best_block'] + 1})"
+        lines.append(f"| {r['name']} | {feature} | {probe} | " + " | ".join(cells)
+                     + f" | {best} |")
+  return "\n".join(lines)
+
+
 def _groups(records):
   """Records grouped by (lr, epochs): the arms whose curves differ only in the shortcuts."""
   out: Dict[tuple, list] = {}
@@ -180,17 +195,24 @@ def _groups(records):
 
 
 def plot_layers(records, path: str) -> None:
+  """One row per (lr, epochs) group, one column per feature choice; KNN solid, linear dashed."""
   import numpy as np
   groups = _groups(records)
-  with plots.figure(path, len(groups), 2, size=(11, 3.6 * len(groups)), dpi=110) as (_, axes):
+  features = list(records[0]["layers_by_feature"])
+  with plots.figure(path, len(groups), len(features), size=(4.6 * len(features),
+                                                            3.8 * len(groups)), dpi=110) as (_, axes):
     for row, ((lr, epochs), rs) in enumerate(sorted(groups.items())):
-      for col, (key, title) in enumerate((("knn_top1", "KNN top-1"),
-                                          ("linear_top1", "fast linear top-1"))):
-        for r in rs:
-          ys = 100 * np.asarray(r["layers_by_feature"]["mean"][key])
-          axes[row, col].plot(range(1, len(ys) + 1), ys, marker="o", ms=3, label=_arm_label(r))
-        plots.style(axes[row, col], f"{title} per block (mean of tokens); lr {lr:g}, {epochs:g} "
-                    "epochs", "block", "accuracy (%)", legend=7)
+      for col, feature in enumerate(features):
+        ax = axes[row, col]
+        for i, r in enumerate(rs):
+          lay = r["layers_by_feature"][feature]
+          xs = range(1, len(lay["knn_top1"]) + 1)
+          ax.plot(xs, 100 * np.asarray(lay["knn_top1"]), marker="o", ms=3, color=f"C{i}",
+                  label=_arm_label(r))
+          ax.plot(xs, 100 * np.asarray(lay["linear_top1"]), ls="--", color=f"C{i}")
+        plots.style(ax, f"{feature}: KNN (solid), fast linear (dashed); lr {lr:g}, "
+                    f"{epochs:g} ep", "block", "top-1 (%)",
+                    legend=6 if col == 0 else None, title_size=9)
 
 
 def plot_alpha(records, path: str) -> None:
@@ -223,7 +245,8 @@ def plot_epochs(records, path: str) -> None:
 
 
 def write_summary(workdir: str, records: Sequence[Dict[str, Any]], budget: str) -> str:
-  text = "\n".join([budget, "", table(records), ""])
+  text = "\n".join([budget, "", table(records), "", "Per block (1-based):", "",
+                    layer_table(records), ""])
   with open(os.path.join(workdir, "study.md"), "w") as f:
     f.write(text)
   with open(os.path.join(workdir, "study.json"), "w") as f:
