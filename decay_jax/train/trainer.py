@@ -179,6 +179,11 @@ def train_and_evaluate(config, workdir: str) -> Dict[str, Any]:
       step += 1
       window_steps += 1
       history.append((step, metrics))
+      # Async dispatch would let Python run dozens of steps ahead of the device (XLA:CPU), so
+      # the progress rate and ETA swung between 2x too fast and 0; two steps in flight keep the
+      # host's next-batch work overlapped while progress follows the device.
+      if len(history) > 2:
+        jax.block_until_ready(history[-3][1])
       report(step)
       last = step == total_steps
       preempted = preemption.reached(step) and not last
