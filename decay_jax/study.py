@@ -91,7 +91,8 @@ def main(argv):
   if not records:
     print(f"error: workdir={workdir!r} has no finished arm yet", file=sys.stderr)
     return 2
-  text = study_lib.write_summary(workdir, records, study_lib.budget(base))
+  text = study_lib.write_summary(workdir, records, study_lib.budget(base),
+                                study_lib.unfinished_curves(workdir))
   print("\n" + text)
   print(f"table and plots in {workdir}")
   return 0

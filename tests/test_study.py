@@ -138,3 +138,26 @@ def test_bad_grid_is_one_line(tmp_path):
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines()[-1].startswith(
       "error: only=a0.5_lr0.001_e30 is not allowed; the arms of grid=alpha are a0.6_lr0.001_e30")
+
+
+def test_unfinished_arm_shows_its_curve_so_far(studied, tmp_path):
+  _, arms, workdir, records, _ = studied
+  import shutil
+  done = os.path.join(workdir, arms[1]["name"])
+  for name in (arms[0]["name"], "a1_running"):  # one finished arm, one without a record yet
+    os.makedirs(tmp_path / name)
+    for f in ("config.json", "metrics.jsonl"):
+      shutil.copy(os.path.join(workdir, arms[0]["name"] if name != "a1_running" else done, f),
+                  tmp_path / name / f)
+  shutil.copy(os.path.join(workdir, arms[0]["name"], "study_record.json"),
+              tmp_path / arms[0]["name"])
+  unfinished = study.unfinished_curves(str(tmp_path))
+  assert [u["name"] for u in unfinished] == ["a1_running"]
+  assert unfinished[0]["alpha_min"] == 1.0 and unfinished[0]["knn_curve"] == records[1]["knn_curve"]
+  text = study.write_summary(str(tmp_path), study.finished_records(str(tmp_path)), "budget",
+                             unfinished)
+  last = records[1]["knn_curve"][-1]
+  assert (f"Unfinished: a1_running (epoch {last[0]:.1f}, KNN {100 * last[1]:.2f}; of 0.5 epochs)."
+          in text)
+  with open(tmp_path / "knn_vs_epochs.png", "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -232,21 +232,32 @@ def plot_alpha(records, path: str) -> None:
       plots.style(ax, title, "alpha_min (1 = standard residual)", "top-1 (%)", legend=8)
 
 
-def plot_epochs(records, path: str) -> None:
-  groups = _groups(records)
+def plot_epochs(records, path: str, unfinished: Sequence[Dict[str, Any]] = ()) -> None:
+  """KNN of the last block over training, one panel per lr; unfinished arms dashed."""
+  groups = _groups(list(records) + list(unfinished))
   with plots.figure(path, 1, len(groups), size=(6 * len(groups), 4), dpi=110) as (_, axes):
     for ax, ((lr, _), rs) in zip(axes[0], sorted(groups.items())):
       for r in rs:
         if r["knn_curve"]:
           xs, ys = zip(*r["knn_curve"])
-          ax.plot(xs, [100 * y for y in ys], marker=".", label=_arm_label(r))
+          label = _arm_label(r) + (f" (unfinished, epoch {xs[-1]:.0f})" if r.get("unfinished")
+                                   else "")
+          ax.plot(xs, [100 * y for y in ys], marker=".", ls="--" if r.get("unfinished") else "-",
+                  label=label)
       plots.style(ax, f"KNN top-1 of the last block during training; lr {lr:g}", "epoch",
                   "top-1 (%)", legend=7)
 
 
-def write_summary(workdir: str, records: Sequence[Dict[str, Any]], budget: str) -> str:
-  text = "\n".join([budget, "", table(records), "", "Per block (1-based):", "",
-                    layer_table(records), ""])
+def write_summary(workdir: str, records: Sequence[Dict[str, Any]], budget: str,
+                  unfinished: Sequence[Dict[str, Any]] = ()) -> str:
+  """study.md / study.json / the three plots over the finished ``records``; ``unfinished`` arms
+  (``unfinished_curves``: still training or interrupted) add their KNN curve so far to knn_vs_epochs.png and one line each."""
+  lines = [budget, "", table(records), "", "Per block (1-based):", "", layer_table(records), ""]
+  for r in unfinished:
+    last = (f"epoch {r['knn_curve'][-1][0]:.1f}, KNN {_pct(r['knn_curve'][-1][1])}"
+            if r["knn_curve"] else "no KNN logged yet")
+    lines.append(f"Unfinished: {r['name']} ({last}; of {r['epochs']:g} epochs).")
+  text = "\n".join(lines)
   with open(os.path.join(workdir, "study.md"), "w") as f:
     f.write(text)
   with open(os.path.join(workdir, "study.json"), "w") as f:
@@ -254,8 +265,31 @@ def write_summary(workdir: str, records: Sequence[Dict[str, Any]], budget: str) 
         "knn_last": r["evaluation"]["sections"]["knn"]["top1"]} for r in records], f, indent=1)
   plot_layers(records, os.path.join(workdir, "accuracy_vs_layer.png"))
   plot_alpha(records, os.path.join(workdir, "accuracy_vs_alpha.png"))
-  plot_epochs(records, os.path.join(workdir, "knn_vs_epochs.png"))
+  plot_epochs(records, os.path.join(workdir, "knn_vs_epochs.png"), unfinished)
   return text
+
+
+def unfinished_curves(workdir: str) -> List[Dict[str, Any]]:
+  """Arms started but not finished (no record yet): their settings and KNN curve so far.
+
+  Lets ``--report_only`` show a grid in progress; the table lists finished arms only.
+  """
+  import ml_collections
+  from decay_jax.data import pipeline
+  from decay_jax.train import writers
+  out = []
+  for name in sorted(os.listdir(workdir)) if os.path.isdir(workdir) else ():
+    arm_dir = os.path.join(workdir, name)
+    cfg_path = os.path.join(arm_dir, "config.json")
+    if os.path.exists(_record_path(arm_dir)) or not os.path.exists(cfg_path):
+      continue
+    with open(cfg_path) as f:
+      cfg = ml_collections.ConfigDict(json.load(f))
+    per_epoch = pipeline.dataset_info(cfg.data)["num_train"] / cfg.batch_size
+    curve = [(s / per_epoch, v) for s, v in writers.read_scalars(arm_dir, "knn/top1")]
+    out.append(dict(name=name, alpha_min=cfg.model.alpha_min, shortcut_form=cfg.model.shortcut_form,
+                    lr=cfg.optim.lr, epochs=cfg.num_epochs, knn_curve=curve, unfinished=True))
+  return out
 
 
 def finished_records(workdir: str) -> List[Dict[str, Any]]:

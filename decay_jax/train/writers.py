@@ -32,7 +32,8 @@ class JsonlWriter(metric_writers.MetricWriter):
   """Appends scalars to ``workdir/metrics.jsonl``; other summaries are left to TensorBoard."""
 
   def __init__(self, workdir: str):
-    self._file = open(os.path.join(workdir, JSONL), "a", encoding="utf-8")
+    # Line-buffered: a run in progress can be read back (study --report_only, plots) at any time.
+    self._file = open(os.path.join(workdir, JSONL), "a", encoding="utf-8", buffering=1)
 
   def write_scalars(self, step, scalars):
     row = {"step": int(step)}
