@@ -4,9 +4,10 @@ Command (every arm of one grid, resumable; grids and arms in decay_jax/evals/stu
   python -m decay_jax.study --config=configs/study_cifar10k.py --workdir=/tmp/study --grid=alpha
   python -m decay_jax.study --config=configs/study_cifar10k.py --workdir=/tmp/study --list
 Hardware: one GPU for the whole grid (minutes); 2 CPU cores run it too, slowly.
-Expected time: estimated from model FLOPs (1.35 GFLOP per training image) and the measured speed
-of the demo model: about 2 h per 30-epoch arm on 2 quiet CPU cores, plus a few minutes of
-evaluation; the measured times per arm go into docs/small_scale_study.md.
+Expected time (measured 2026-11-30, 2-core Xeon, fp32): about 80 min per 30-epoch arm on quiet
+cores (training 62 images/s = 65 min, ten in-training KNN passes of ~67 s, final evaluation 2 min);
+the first arm took 95 min with the test suite sharing the cores. Times per arm in
+docs/small_scale_study.md.
 Expected result: measured, in docs/small_scale_study.md. The question the grid answers is whether
 alpha_min < 1 beats alpha_min = 1 at this scale, at which settings, and in which block.
 
