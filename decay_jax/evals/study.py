@@ -88,13 +88,27 @@ def _record_path(workdir: str) -> str:
   return os.path.join(workdir, "study_record.json")
 
 
+def _arm_dirs(workdir: str):
+  """Yields (name, directory) of every arm directory under the study ``workdir``, sorted."""
+  for name in sorted(os.listdir(workdir)) if os.path.isdir(workdir) else ():
+    if os.path.isdir(os.path.join(workdir, name)):
+      yield name, os.path.join(workdir, name)
+
+
+def _knn_curve(arm_dir: str, batch_size: int, num_train: int):
+  """[(epoch, last-block KNN top-1)] logged during training of the arm in ``arm_dir``."""
+  from decay_jax.train import writers
+  per_epoch = num_train / batch_size
+  return [(s / per_epoch, v) for s, v in writers.read_scalars(arm_dir, "knn/top1")]
+
+
 def run_arm(a, cfg, workdir: str, mesh) -> Dict[str, Any]:
   """Trains (or resumes) one arm and evaluates its final checkpoint; returns its record."""
   from decay_jax import checkpoint as ckpt_lib
   from decay_jax.data import pipeline
   from decay_jax.evals import suite
   from decay_jax.train import config as config_lib
-  from decay_jax.train import trainer, writers
+  from decay_jax.train import trainer
   num_train = pipeline.dataset_info(cfg.data)["num_train"]
   total, _ = config_lib.steps_for(cfg, num_train)
   path = _record_path(workdir)
@@ -118,14 +132,13 @@ def run_arm(a, cfg, workdir: str, mesh) -> Dict[str, Any]:
                                             if f != cfg.evals.layers.feature])
   layers = {cfg.evals.layers.feature: ev["sections"]["layers"],
             **ev["sections"].pop("layers_by_feature", {})}
-  steps_per_epoch = num_train / cfg.batch_size
   record = dict(
       name=a["name"], grid=a["grid"], overrides=a["overrides"], step=step,
       alpha_min=cfg.model.alpha_min, shortcut_form=cfg.model.shortcut_form,
       lr=cfg.optim.lr, epochs=cfg.num_epochs, batch_size=cfg.batch_size,
       final_loss=results.get("loss"), train_seconds=train_seconds,
       eval_seconds=time.perf_counter() - t0, evaluation=ev, layers_by_feature=layers,
-      knn_curve=[(s / steps_per_epoch, v) for s, v in writers.read_scalars(workdir, "knn/top1")])
+      knn_curve=_knn_curve(workdir, cfg.batch_size, num_train))
   with open(path + ".tmp", "w") as f:
     json.dump(record, f, indent=1)
   os.replace(path + ".tmp", path)
@@ -199,8 +212,8 @@ def plot_layers(records, path: str) -> None:
   import numpy as np
   groups = _groups(records)
   features = list(records[0]["layers_by_feature"])
-  with plots.figure(path, len(groups), len(features), size=(4.6 * len(features),
-                                                            3.8 * len(groups)), dpi=110) as (_, axes):
+  size = (4.6 * len(features), 3.8 * len(groups))
+  with plots.figure(path, len(groups), len(features), size=size, dpi=110) as (_, axes):
     for row, ((lr, epochs), rs) in enumerate(sorted(groups.items())):
       for col, feature in enumerate(features):
         ax = axes[row, col]
@@ -250,8 +263,11 @@ def plot_epochs(records, path: str, unfinished: Sequence[Dict[str, Any]] = ()) -
 
 def write_summary(workdir: str, records: Sequence[Dict[str, Any]], budget: str,
                   unfinished: Sequence[Dict[str, Any]] = ()) -> str:
-  """study.md / study.json / the three plots over the finished ``records``; ``unfinished`` arms
-  (``unfinished_curves``: still training or interrupted) add their KNN curve so far to knn_vs_epochs.png and one line each."""
+  """study.md / study.json / the three plots over the finished ``records``.
+
+  ``unfinished`` arms (``unfinished_curves``: still training or interrupted) add their KNN curve
+  so far to knn_vs_epochs.png and one line each to study.md.
+  """
   lines = [budget, "", table(records), "", "Per block (1-based):", "", layer_table(records), ""]
   for r in unfinished:
     last = (f"epoch {r['knn_curve'][-1][0]:.1f}, KNN {_pct(r['knn_curve'][-1][1])}"
@@ -276,26 +292,24 @@ def unfinished_curves(workdir: str) -> List[Dict[str, Any]]:
   """
   import ml_collections
   from decay_jax.data import pipeline
-  from decay_jax.train import writers
   out = []
-  for name in sorted(os.listdir(workdir)) if os.path.isdir(workdir) else ():
-    arm_dir = os.path.join(workdir, name)
+  for name, arm_dir in _arm_dirs(workdir):
     cfg_path = os.path.join(arm_dir, "config.json")
     if os.path.exists(_record_path(arm_dir)) or not os.path.exists(cfg_path):
       continue
     with open(cfg_path) as f:
       cfg = ml_collections.ConfigDict(json.load(f))
-    per_epoch = pipeline.dataset_info(cfg.data)["num_train"] / cfg.batch_size
-    curve = [(s / per_epoch, v) for s, v in writers.read_scalars(arm_dir, "knn/top1")]
+    curve = _knn_curve(arm_dir, cfg.batch_size, pipeline.dataset_info(cfg.data)["num_train"])
     out.append(dict(name=name, alpha_min=cfg.model.alpha_min, shortcut_form=cfg.model.shortcut_form,
                     lr=cfg.optim.lr, epochs=cfg.num_epochs, knn_curve=curve, unfinished=True))
   return out
 
 
 def finished_records(workdir: str) -> List[Dict[str, Any]]:
+  """The records of every finished arm under the study ``workdir``, sorted by arm name."""
   out = []
-  for name in sorted(os.listdir(workdir)) if os.path.isdir(workdir) else ():
-    path = _record_path(os.path.join(workdir, name))
+  for _, arm_dir in _arm_dirs(workdir):
+    path = _record_path(arm_dir)
     if os.path.exists(path):
       with open(path) as f:
         out.append(json.load(f))
