@@ -161,3 +161,14 @@ def test_unfinished_arm_shows_its_curve_so_far(studied, tmp_path):
           in text)
   with open(tmp_path / "knn_vs_epochs.png", "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resumed_arm_counts_the_training_time_of_every_run(tmp_path):
+  # clu's uptime restarts at zero in each run; a run stopped at step 30 and resumed there.
+  rows = [(10, 50.0), (20, 100.0), (30, 151.0), (40, 40.0), (50, 90.0)]
+  with open(tmp_path / "metrics.jsonl", "w") as f:
+    for step, uptime in rows:
+      f.write(json.dumps({"step": step, "uptime": uptime}) + "\n")
+      f.write(json.dumps({"step": step, "loss": 1.0}) + "\n")
+  assert study._earlier_runs_seconds(str(tmp_path)) == 151.0 + 90.0
+  assert study._earlier_runs_seconds(str(tmp_path / "missing")) == 0.0

@@ -102,6 +102,18 @@ def _knn_curve(arm_dir: str, batch_size: int, num_train: int):
   return [(s / per_epoch, v) for s, v in writers.read_scalars(arm_dir, "knn/top1")]
 
 
+def _earlier_runs_seconds(arm_dir: str) -> float:
+  """Seconds of training logged by earlier runs of a resumed arm (clu's ``uptime``, which restarts
+  from zero in every run), so a record's training time covers the whole arm."""
+  from decay_jax.train import writers
+  total, last = 0.0, 0.0
+  for _, uptime in writers.read_scalars(arm_dir, "uptime"):
+    if uptime < last:
+      total += last
+    last = uptime
+  return total + last
+
+
 def run_arm(a, cfg, workdir: str, mesh) -> Dict[str, Any]:
   """Trains (or resumes) one arm and evaluates its final checkpoint; returns its record."""
   from decay_jax import checkpoint as ckpt_lib
@@ -118,11 +130,12 @@ def run_arm(a, cfg, workdir: str, mesh) -> Dict[str, Any]:
     if record.get("step") == total:
       logging.info("arm %s: finished earlier, kept", a["name"])
       return record
+  earlier = _earlier_runs_seconds(workdir)
   t0 = time.perf_counter()
   results = trainer.train_and_evaluate(cfg, workdir)
   if results.get("preempted"):
     raise KeyboardInterrupt(f"arm {a['name']} stopped by SIGTERM at step {results['step']}")
-  train_seconds = time.perf_counter() - t0
+  train_seconds = earlier + time.perf_counter() - t0
   params, step = ckpt_lib.restore_run_params(workdir, mesh)
   model = suite.run_model(cfg, params)
   t0 = time.perf_counter()
