@@ -3,13 +3,16 @@
 Command (every arm of one grid, resumable; grids and arms in decay_jax/evals/study.py):
   python -m decay_jax.study --config=configs/study_cifar10k.py --workdir=/tmp/study --grid=alpha
   python -m decay_jax.study --config=configs/study_cifar10k.py --workdir=/tmp/study --list
-Hardware: one GPU for the whole grid (minutes); 2 CPU cores run it too, slowly.
-Expected time (measured 2026-11-30, 2-core Xeon, fp32): about 80 min per 30-epoch arm on quiet
-cores (training 62 images/s = 65 min, ten in-training KNN passes of ~67 s, final evaluation 2 min);
-the first arm took 95 min with the test suite sharing the cores. Times per arm in
-docs/small_scale_study.md.
-Expected result: measured, in docs/small_scale_study.md. The question the grid answers is whether
-alpha_min < 1 beats alpha_min = 1 at this scale, at which settings, and in which block.
+Hardware: 2 CPU cores (measured below); one GPU should take minutes for the whole grid (an
+estimate from 1.35 GFLOP per training image, not measured).
+Expected time (measured 2026-11-30, 2-core Xeon, fp32): 80 minutes to 2 hours per 30-epoch arm;
+the machine's speed differed between sessions (train step 68 or 50 images/s in ``bench``). An arm
+is ten in-training KNN passes of 67-80 s, a final evaluation of 2-2.5 min, and the training.
+Times per arm in docs/small_scale_study.md.
+Expected result (measured, docs/small_scale_study.md): at lr 1e-3, 30 epochs, last-block KNN
+29.90% for alpha_min 0.6 and 42.80% for alpha_min 1.0; best block 40.95% (block 6) and 43.45%
+(block 10). The grid asks whether alpha_min < 1 beats alpha_min = 1 at this scale, at which
+settings, and in which block.
 
 Data: ``cifar10_train10k.npz`` (the 10,000 images of CIFAR-10 ``data_batch_1``, JPEG-75 copies; see
 the README of ../shared/data). The split is fixed: ``train[:8000]`` trains the MAE and is the KNN
