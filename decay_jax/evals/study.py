@@ -303,15 +303,14 @@ def unfinished_curves(workdir: str) -> List[Dict[str, Any]]:
 
   Lets ``--report_only`` show a grid in progress; the table lists finished arms only.
   """
-  import ml_collections
+  from decay_jax import checkpoint as ckpt_lib
   from decay_jax.data import pipeline
   out = []
   for name, arm_dir in _arm_dirs(workdir):
-    cfg_path = os.path.join(arm_dir, "config.json")
-    if os.path.exists(_record_path(arm_dir)) or not os.path.exists(cfg_path):
+    if (os.path.exists(_record_path(arm_dir))
+        or not os.path.exists(os.path.join(arm_dir, "config.json"))):
       continue
-    with open(cfg_path) as f:
-      cfg = ml_collections.ConfigDict(json.load(f))
+    cfg = ckpt_lib.run_config(arm_dir)
     curve = _knn_curve(arm_dir, cfg.batch_size, pipeline.dataset_info(cfg.data)["num_train"])
     out.append(dict(name=name, alpha_min=cfg.model.alpha_min, shortcut_form=cfg.model.shortcut_form,
                     lr=cfg.optim.lr, epochs=cfg.num_epochs, knn_curve=curve, unfinished=True))
