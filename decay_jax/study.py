@@ -12,7 +12,8 @@ one head per feature choice), KNN and the fast linear probe of every block for t
 mean, mean+LN, cls and cls+LN (``evals.layers``), and the rank pass. The KNN of the last block logged during
 training (``evals.knn.every_steps``, read back from ``metrics.jsonl``) gives the curve over epochs.
 
-Writes ``DIR/<arm>/study_record.json`` per arm and, over all finished arms of the workdir,
+Writes ``DIR/<arm>/study_record.json`` per arm and, over all finished arms of the workdir (and of
+``--archive``, a directory such as ``docs/study_records`` that keeps every finished record),
 ``DIR/study.md`` (the table, budget and timings, then every block's KNN and fast linear top-1 per
 arm and feature), ``DIR/study.json`` and the plots ``DIR/accuracy_vs_layer.png`` (one panel per
 feature choice), ``DIR/accuracy_vs_alpha.png`` and ``DIR/knn_vs_epochs.png``.
@@ -44,6 +45,10 @@ _LIST = flags.DEFINE_bool("list", False, "Print the arms of --grid and exit.")
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False,
                                  "Only rebuild the table and plots from finished arms.")
 _LONG_EPOCHS = flags.DEFINE_float("long_epochs", 100.0, "Epochs of the 'long' grid.")
+_ARCHIVE = flags.DEFINE_string(
+    "archive", "", "Directory that keeps a copy of every finished arm's record (for example "
+    "docs/study_records in the repository); its arms join the table and plots even when their "
+    "workdir is gone.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -87,10 +92,15 @@ def main(argv):
       if record.get("train_seconds") and time.perf_counter() - t0 > 60:
         done_seconds.append(time.perf_counter() - t0)
     logging.info("grid done in %.1f min", (time.perf_counter() - t_start) / 60)
-  records = study_lib.finished_records(workdir)
+  if _ARCHIVE.value:
+    written = study_lib.archive_records(workdir, _ARCHIVE.value)
+    logging.info("archived %d record(s) in %s: %s", len(written), _ARCHIVE.value,
+                 ", ".join(written) or "none new")
+  records = study_lib.finished_records(workdir, _ARCHIVE.value)
   if not records:
     print(f"error: workdir={workdir!r} has no finished arm yet", file=sys.stderr)
     return 2
+  os.makedirs(workdir, exist_ok=True)
   text = study_lib.write_summary(workdir, records, study_lib.budget(base),
                                 study_lib.unfinished_curves(workdir))
   print("\n" + text)

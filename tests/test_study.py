@@ -172,3 +172,31 @@ def test_resumed_arm_counts_the_training_time_of_every_run(tmp_path):
       f.write(json.dumps({"step": step, "loss": 1.0}) + "\n")
   assert study._earlier_runs_seconds(str(tmp_path)) == 151.0 + 90.0
   assert study._earlier_runs_seconds(str(tmp_path / "missing")) == 0.0
+
+
+def test_archive_keeps_finished_arms_when_the_workdir_is_gone(studied, tmp_path):
+  _, arms, workdir, records, _ = studied
+  archive = str(tmp_path / "records")
+  assert study.archive_records(workdir, archive) == [a["name"] for a in arms]
+  assert study.archive_records(workdir, archive) == []  # unchanged records are not rewritten
+  expected = json.loads(json.dumps(records))
+  gone = str(tmp_path / "new_workdir")  # a fresh machine: no arm directories at all
+  assert study.finished_records(gone) == []
+  assert study.finished_records(gone, archive) == expected
+  # An arm finished in the workdir wins over its archived copy.
+  stale = dict(expected[0], final_loss=9.0)
+  with open(os.path.join(archive, f"{arms[0]['name']}.json"), "w") as f:
+    json.dump(stale, f)
+  assert study.finished_records(workdir, archive) == expected
+  assert study.finished_records(gone, archive)[0]["final_loss"] == 9.0
+  # An archived record with fewer feature choices still joins the table and plots.
+  partial = dict(expected[1], name="a1_partial")
+  partial["layers_by_feature"] = {k: partial["layers_by_feature"][k] for k in ("mean", "cls")}
+  with open(os.path.join(archive, "a1_partial.json"), "w") as f:
+    json.dump(partial, f)
+  os.makedirs(gone)
+  text = study.write_summary(gone, study.finished_records(gone, archive), "budget")
+  assert sum(line.startswith("| a1_partial |") for line in text.splitlines()) == 1 + 4
+  assert sum(line.startswith(f"| {arms[0]['name']} |") for line in text.splitlines()) == 1 + 8
+  with open(os.path.join(gone, "accuracy_vs_layer.png"), "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -224,14 +224,16 @@ def plot_layers(records, path: str) -> None:
   """One row per (lr, epochs) group, one column per feature choice; KNN solid, linear dashed."""
   import numpy as np
   groups = _groups(records)
-  features = list(records[0]["layers_by_feature"])
+  features = list(dict.fromkeys(f for r in records for f in r["layers_by_feature"]))
   size = (4.6 * len(features), 3.8 * len(groups))
   with plots.figure(path, len(groups), len(features), size=size, dpi=110) as (_, axes):
     for row, ((lr, epochs), rs) in enumerate(sorted(groups.items())):
       for col, feature in enumerate(features):
         ax = axes[row, col]
         for i, r in enumerate(rs):
-          lay = r["layers_by_feature"][feature]
+          lay = r["layers_by_feature"].get(feature)
+          if lay is None:  # an archived record may carry fewer feature choices
+            continue
           xs = range(1, len(lay["knn_top1"]) + 1)
           ax.plot(xs, 100 * np.asarray(lay["knn_top1"]), marker="o", ms=3, color=f"C{i}",
                   label=_arm_label(r))
@@ -317,15 +319,54 @@ def unfinished_curves(workdir: str) -> List[Dict[str, Any]]:
   return out
 
 
-def finished_records(workdir: str) -> List[Dict[str, Any]]:
-  """The records of every finished arm under the study ``workdir``, sorted by arm name."""
-  out = []
+def finished_records(workdir: str, archive: str = "") -> List[Dict[str, Any]]:
+  """The records of every finished arm under the study ``workdir``, sorted by arm name.
+
+  With an ``archive`` directory (``archive_records``), its records of arms that the workdir lacks
+  are included too, so arms trained in a workdir that is gone stay in the table and plots.
+  """
+  found: Dict[str, Dict[str, Any]] = {}
+  if archive and os.path.isdir(archive):
+    for name in sorted(os.listdir(archive)):
+      if name.endswith(".json"):
+        with open(os.path.join(archive, name)) as f:
+          record = json.load(f)
+        found[record["name"]] = record
   for _, arm_dir in _arm_dirs(workdir):
     path = _record_path(arm_dir)
     if os.path.exists(path):
       with open(path) as f:
-        out.append(json.load(f))
-  return out
+        record = json.load(f)
+      found[record["name"]] = record
+  return [found[name] for name in sorted(found)]
+
+
+def archive_records(workdir: str, archive: str) -> List[str]:
+  """Copies the record of every finished arm in ``workdir`` to ``archive/<arm>.json``.
+
+  A record is a few tens of kB of numbers (no weights), so the archive can live in the repository
+  (``docs/study_records``) and outlive the workdir, whose checkpoints are gigabytes. Returns the
+  names written; a record already archived with the same content is left alone.
+  """
+  os.makedirs(archive, exist_ok=True)
+  written = []
+  for name, arm_dir in _arm_dirs(workdir):
+    path = _record_path(arm_dir)
+    if not os.path.exists(path):
+      continue
+    with open(path) as f:
+      record = json.load(f)
+    text = json.dumps(record, indent=1, sort_keys=True) + "\n"
+    target = os.path.join(archive, f"{name}.json")
+    if os.path.exists(target):
+      with open(target) as f:
+        if f.read() == text:
+          continue
+    with open(target + ".tmp", "w") as f:
+      f.write(text)
+    os.replace(target + ".tmp", target)
+    written.append(name)
+  return written
 
 
 def budget(base) -> str:
