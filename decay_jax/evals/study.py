@@ -230,6 +230,8 @@ def plot_layers(records, path: str) -> None:
     for row, ((lr, epochs), rs) in enumerate(sorted(groups.items())):
       for col, feature in enumerate(features):
         ax = axes[row, col]
+        if not any(feature in r["layers_by_feature"] for r in rs):
+          ax.text(0.5, 0.5, "not recorded for these arms", ha="center", transform=ax.transAxes)
         for i, r in enumerate(rs):
           lay = r["layers_by_feature"].get(feature)
           if lay is None:  # an archived record may carry fewer feature choices
@@ -356,7 +358,7 @@ def archive_records(workdir: str, archive: str) -> List[str]:
       continue
     with open(path) as f:
       record = json.load(f)
-    text = json.dumps(record, indent=1, sort_keys=True) + "\n"
+    text = json.dumps(record, indent=1) + "\n"
     target = os.path.join(archive, f"{name}.json")
     if os.path.exists(target):
       with open(target) as f:
