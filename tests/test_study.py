@@ -200,3 +200,23 @@ def test_archive_keeps_finished_arms_when_the_workdir_is_gone(studied, tmp_path)
   assert sum(line.startswith(f"| {arms[0]['name']} |") for line in text.splitlines()) == 1 + 8
   with open(os.path.join(gone, "accuracy_vs_layer.png"), "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_difference_table_subtracts_the_baseline_trained_alike(studied):
+  _, _, _, records, _ = studied
+  decayed, base = records
+  assert study.baseline_of(decayed, records) is base
+  assert study.baseline_of(dict(decayed, lr=0.5), records) is None  # no baseline at that lr
+  rows = study.difference_table(records).splitlines()
+  assert len(rows) == 3  # header, rule, one decayed arm (the baseline has no row)
+  cells = [c.strip() for c in rows[2].strip("|").split("|")]
+  assert cells[:2] == [decayed["name"], base["name"]]
+  knn = lambda r: r["evaluation"]["sections"]["knn"]["top1"]
+  assert cells[2] == f"{100 * (knn(decayed) - knn(base)):+.2f}"
+  cls_ln = lambda r: r["evaluation"]["sections"]["linear"]["official"]["results"]["cls_ln"]["top1"]
+  assert cells[7] == f"{100 * (cls_ln(decayed) - cls_ln(base)):+.2f}"
+  mean_knn = lambda r: r["layers_by_feature"]["mean"]["knn_top1"]
+  ahead = [i + 1 for i, (x, y) in enumerate(zip(mean_knn(decayed), mean_knn(base)))
+           if 100 * (x - y) > study.NOISE_POINTS]
+  assert cells[10].split(" / ")[0] == (study._blocks(ahead))
+  assert study._blocks([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9-10" and study._blocks([]) == "-"
