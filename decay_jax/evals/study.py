@@ -304,8 +304,9 @@ def plot_alpha(records, path: str) -> None:
   decay = [r for r in records if r["shortcut_form"] == "decay"]
   metrics = (("KNN, last block", lambda r: r["evaluation"]["sections"]["knn"]["top1"]),
              ("KNN, best block", lambda r: r["layers_by_feature"]["mean"]["knn"]["best"]),
-             ("linear probe (official), mean", lambda r: _probe(r, "mean")))
-  with plots.figure(path, 1, 3, size=(15, 4), dpi=110) as (_, axes):
+             ("linear probe (official), mean", lambda r: _probe(r, "mean")),
+             ("linear probe (official), cls", lambda r: _probe(r, "cls")))
+  with plots.figure(path, 1, len(metrics), size=(5 * len(metrics), 4), dpi=110) as (_, axes):
     for ax, (title, get) in zip(axes[0], metrics):
       for (lr, epochs), rs in sorted(_groups(decay).items()):
         rs = sorted(rs, key=lambda r: r["alpha_min"])
