@@ -3,19 +3,19 @@
 Command (every arm of one grid, resumable; grids and arms in decay_jax/evals/study.py):
   python -m decay_jax.study --config=configs/study_cifar10k.py --workdir=/tmp/study --grid=alpha
   python -m decay_jax.study --config=configs/study_cifar10k.py --workdir=/tmp/study --list
+  (add --archive=docs/study_records to keep every finished arm's record in the repository)
 Hardware: 2 CPU cores (measured below); one GPU should take minutes for the whole grid (an
 estimate from 1.35 GFLOP per training image, not measured).
-Expected time (measured 2026-11-30, 2-core Xeon, fp32): 80 minutes to 2 hours per 30-epoch arm;
+Expected time (measured 2026-11-30/12-01, 2-core Xeon/EPYC, fp32): 80 min to 2 h per 30-epoch arm;
 the machine's speed differed between sessions (train step 68 or 50 images/s in ``bench``). An arm
 is ten in-training KNN passes of 67-80 s, a final evaluation of 2-2.5 min, and the training.
 Times per arm in docs/small_scale_study.md.
-Expected result (measured, docs/small_scale_study.md): at lr 1e-3, 30 epochs, last-block KNN
-29.90% for alpha_min 0.6, 31.45% for 0.7 and 42.80% for 1.0; best block 40.95% (block 6), 37.70%
-(block 8) and 43.45% (block 10); alpha_min 0.8: 37.30% last block, 40.15% best (block 10), and
-the only arm ahead of 1.0 by more than the noise, with the cls token (official probe 48.10% against
-42.40%). At the official lr 7.5e-5: 22.65% (0.6) and 31.25% (1.0) on the last block, 31.65%
-(block 3) and 32.40% (block 5) at the best. The grid asks whether alpha_min < 1 beats
-alpha_min = 1 at this scale, at which settings, and in which block.
+Expected result (measured, docs/small_scale_study.md; one run per arm, +-3 points between runs):
+at lr 1e-3, 30 epochs, last-block KNN 29.90% / 31.45% / 37.30% / 40.30% / 42.80% for alpha_min
+0.6 / 0.7 / 0.8 / 0.9 / 1.0; official probe on the token mean 37.50 / 40.90 / 47.25 / 50.75 /
+52.70%, on the cls token 38.30 / 40.20 / 48.10 / 51.05 / 42.40% (alpha_min 0.8 and 0.9 beat 1.0
+only with the cls token). At the official lr 7.5e-5: 22.65% (0.6) and 31.25% (1.0) on the last
+block, 31.65% (block 3) and 32.40% (block 5) at the best.
 
 Data: ``cifar10_train10k.npz`` (the 10,000 images of CIFAR-10 ``data_batch_1``, JPEG-75 copies; see
 the README of ../shared/data). The split is fixed: ``train[:8000]`` trains the MAE and is the KNN
