@@ -4,19 +4,21 @@
     python -m decay_jax.study --config=configs/study_cifar10k.py --workdir=DIR --list
     python -m decay_jax.study --config=configs/study_cifar10k.py --workdir=DIR --report_only
 
-Every arm is the config with a few fields overridden (``decay_jax/evals/study.py``); it trains in ``DIR/<arm>``
-with ``decay_jax.main``'s trainer (same data order, seed and augmentation for every arm; resumable:
-rerun the same command after an interruption) and is then evaluated once by the evaluators of
-``decay_jax.evaluate``: KNN and linear probes of the last block (``evals.knn``, ``evals.linear``:
-one head per feature choice), KNN and the fast linear probe of every block for the feature choices
-mean, mean+LN, cls and cls+LN (``evals.layers``), and the rank pass. The KNN of the last block logged during
-training (``evals.knn.every_steps``, read back from ``metrics.jsonl``) gives the curve over epochs.
+Every arm is the config with a few fields overridden (``decay_jax/evals/study.py``); it trains in
+``DIR/<arm>`` with ``decay_jax.main``'s trainer (same data order, seed and augmentation for every
+arm; resumable: rerun the same command after an interruption) and is then evaluated once by the
+evaluators of ``decay_jax.evaluate``: KNN and linear probes of the last block (``evals.knn``,
+``evals.linear``: one head per feature choice), KNN and the fast linear probe of every block for
+the feature choices mean, mean+LN, cls and cls+LN (``evals.layers``), and the rank pass. The KNN of
+the last block logged during training (``evals.knn.every_steps``, read back from
+``metrics.jsonl``) gives the curve over epochs.
 
 Writes ``DIR/<arm>/study_record.json`` per arm and, over all finished arms of the workdir (and of
 ``--archive``, a directory such as ``docs/study_records`` that keeps every finished record),
-``DIR/study.md`` (the table, budget and timings, then every block's KNN and fast linear top-1 per
-arm and feature), ``DIR/study.json`` and the plots ``DIR/accuracy_vs_layer.png`` (one panel per
-feature choice), ``DIR/accuracy_vs_alpha.png`` and ``DIR/knn_vs_epochs.png``.
+``DIR/study.md`` (the table, budget and timings, every arm minus the baseline trained alike, then
+every block's KNN and fast linear top-1 per arm and feature), ``DIR/study.json`` and the plots
+``DIR/accuracy_vs_layer.png`` (one panel per feature choice), ``DIR/accuracy_vs_alpha.png`` and
+``DIR/knn_vs_epochs.png``.
 
 Grids (``--grid``, comma-separated; ``all`` is every grid):
   ``alpha``     alpha_min in {0.6, 0.7, 0.8, 0.9, 1.0} at the config's learning rate

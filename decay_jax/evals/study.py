@@ -222,7 +222,7 @@ def difference_table(records: Sequence[Dict[str, Any]]) -> str:
   """Every other arm minus its baseline (``baseline_of``), in points of top-1.
 
   A difference under ``NOISE_POINTS`` is not resolved by one seed on 2,000 images (the binomial
-  95% interval of one accuracy near 40% is +-2.2 points); the last columns list the blocks where
+  95% interval of one accuracy near 40% is +-2.2 points); the last column lists the blocks where
   the arm is ahead of the baseline by more than that, with the token mean and with the cls token.
   """
   lines = [
@@ -237,7 +237,7 @@ def difference_table(records: Sequence[Dict[str, Any]]) -> str:
             + [lay["cls"]["knn"]["best"] if "cls" in lay else None, lay["mean"]["linear"]["best"]])
   for r in records:
     b = baseline_of(r, records)
-    if b is None or r["shortcut_form"] == "decay" and r["alpha_min"] == 1.0:
+    if b is None or (r["shortcut_form"] == "decay" and r["alpha_min"] == 1.0):
       continue
     diffs = ["-" if x is None or y is None else f"{100 * (x - y):+.2f}"
              for x, y in zip(cells(r), cells(b))]
