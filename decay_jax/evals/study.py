@@ -209,11 +209,16 @@ def _blocks(numbers: Sequence[int]) -> str:
   return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs) or "-"
 
 
+def _is_baseline(r) -> bool:
+  """Whether ``r`` is a standard residual arm (alpha_min 1, plain shortcuts)."""
+  return r["shortcut_form"] == "decay" and r["alpha_min"] == 1.0
+
+
 def baseline_of(r, records):
-  """The standard residual arm (alpha_min 1, plain shortcuts) trained like ``r``, or None."""
+  """The standard residual arm trained like ``r`` (same lr and epochs), or None."""
   for b in records:
-    if (b["shortcut_form"] == "decay" and b["alpha_min"] == 1.0 and b["lr"] == r["lr"]
-        and b["epochs"] == r["epochs"] and b["name"] != r["name"]):
+    if (_is_baseline(b) and b["lr"] == r["lr"] and b["epochs"] == r["epochs"]
+        and b["name"] != r["name"]):
       return b
   return None
 
@@ -237,7 +242,7 @@ def difference_table(records: Sequence[Dict[str, Any]]) -> str:
             + [lay["cls"]["knn"]["best"] if "cls" in lay else None, lay["mean"]["linear"]["best"]])
   for r in records:
     b = baseline_of(r, records)
-    if b is None or (r["shortcut_form"] == "decay" and r["alpha_min"] == 1.0):
+    if b is None or _is_baseline(r):
       continue
     diffs = ["-" if x is None or y is None else f"{100 * (x - y):+.2f}"
              for x, y in zip(cells(r), cells(b))]
@@ -391,13 +396,18 @@ def finished_records(workdir: str, archive: str = "") -> List[Dict[str, Any]]:
         with open(os.path.join(archive, name)) as f:
           record = json.load(f)
         found[record["name"]] = record
-  for _, arm_dir in _arm_dirs(workdir):
+  for _, record in _workdir_records(workdir):
+    found[record["name"]] = record
+  return [found[name] for name in sorted(found)]
+
+
+def _workdir_records(workdir: str):
+  """Yields (arm directory name, record) of every finished arm under the study ``workdir``."""
+  for name, arm_dir in _arm_dirs(workdir):
     path = _record_path(arm_dir)
     if os.path.exists(path):
       with open(path) as f:
-        record = json.load(f)
-      found[record["name"]] = record
-  return [found[name] for name in sorted(found)]
+        yield name, json.load(f)
 
 
 def archive_records(workdir: str, archive: str) -> List[str]:
@@ -409,12 +419,7 @@ def archive_records(workdir: str, archive: str) -> List[str]:
   """
   os.makedirs(archive, exist_ok=True)
   written = []
-  for name, arm_dir in _arm_dirs(workdir):
-    path = _record_path(arm_dir)
-    if not os.path.exists(path):
-      continue
-    with open(path) as f:
-      record = json.load(f)
+  for name, record in _workdir_records(workdir):
     text = json.dumps(record, indent=1) + "\n"
     target = os.path.join(archive, f"{name}.json")
     if os.path.exists(target):
