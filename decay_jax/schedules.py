@@ -54,6 +54,7 @@ CONVENTIONS = ("sublayer", "block")
 SHAPES = ("linear", "cosine")
 FORMS = ("decay", "learnable", "sqrt_half_both", "sqrt_half_f", "attn_only", "mlp_only")
 SQRT_HALF = math.sqrt(0.5)
+UNSCHEDULED_FORMS = ("sqrt_half_both", "sqrt_half_f")  # alpha_min plays no part in these
 
 
 def check_choice(field: str, value, allowed: Sequence) -> None:
@@ -124,7 +125,7 @@ def shortcuts(depth: int, alpha_min: float, convention: str = "sublayer", shape:
   """The shortcut coefficients of ``depth`` blocks for one of the forms in the module docstring."""
   check_choice("shortcut_form", form, FORMS)
   alphas = decay_schedule(depth, alpha_min, convention, shape)
-  if form in ("sqrt_half_both", "sqrt_half_f"):
+  if form in UNSCHEDULED_FORMS:
     identity = SQRT_HALF if form == "sqrt_half_both" else 1.0
     return Shortcuts(np.full((depth, 2), identity), branch_scale=SQRT_HALF)
   if form == "attn_only":

@@ -73,6 +73,19 @@ def test_grid_names_and_overrides():
     override(base.copy_and_resolve_references(), **{"model.nope": 1})
 
 
+def test_controls_without_a_schedule_print_no_alpha_min(studied):
+  records = studied[3]
+  control = dict(records[0], name="sqrt_half_both_x", shortcut_form="sqrt_half_both", alpha_min=1.0)
+  decayed = dict(records[0], shortcut_form="attn_only", alpha_min=0.6)
+  tail = f", lr {control['lr']:g}, {control['epochs']:g} ep"
+  assert study._arm_label(control) == "sqrt_half_both" + tail
+  assert study._arm_label(decayed) == "attn_only a0.6" + tail
+  cells = [c.strip() for c in study.table([control, decayed]).splitlines()[-2:][0].split("|")]
+  assert cells[1:4] == ["sqrt_half_both_x", "-", "sqrt_half_both"]
+  cells = [c.strip() for c in study.table([control, decayed]).splitlines()[-1].split("|")]
+  assert cells[2:4] == ["0.6", "attn_only"]
+
+
 def test_arms_are_trained_and_evaluated(studied):
   _, arms, workdir, records, _ = studied
   assert [r["name"] for r in records] == [a["name"] for a in arms]

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Sequence
 from absl import logging
 
 from decay_jax import plots
+from decay_jax.schedules import UNSCHEDULED_FORMS
 
 ALPHAS = (0.6, 0.7, 0.8, 0.9, 1.0)
 OFFICIAL_BLR = 1.5e-4  # official_facts.md 2.3: lr = blr * batch / 256
@@ -173,9 +174,18 @@ def _probe(record, feature: str):
   return res.get(feature, {}).get("top1")
 
 
+def _alpha_text(r) -> str:
+  """alpha_min as the table prints it: '-' for the controls that have no schedule."""
+  return "-" if r["shortcut_form"] in UNSCHEDULED_FORMS else f"{r['alpha_min']:g}"
+
+
 def _arm_label(r) -> str:
-  form = "" if r["shortcut_form"] == "decay" else f"{r['shortcut_form']} "
-  return f"{form}a{r['alpha_min']:g}, lr {r['lr']:g}, {r['epochs']:g} ep"
+  if r["shortcut_form"] in UNSCHEDULED_FORMS:
+    head = r["shortcut_form"]
+  else:
+    form = "" if r["shortcut_form"] == "decay" else f"{r['shortcut_form']} "
+    head = f"{form}a{r['alpha_min']:g}"
+  return f"{head}, lr {r['lr']:g}, {r['epochs']:g} ep"
 
 
 def table(records: Sequence[Dict[str, Any]]) -> str:
@@ -188,7 +198,7 @@ def table(records: Sequence[Dict[str, Any]]) -> str:
     lay = r["layers_by_feature"]["mean"]
     knn_last = r["evaluation"]["sections"]["knn"]["top1"]
     lines.append(
-        f"| {r['name']} | {r['alpha_min']:g} | {r['shortcut_form']} | {r['lr']:g} | "
+        f"| {r['name']} | {_alpha_text(r)} | {r['shortcut_form']} | {r['lr']:g} | "
         f"{r['epochs']:g} | {r['final_loss']:.4f} | {_pct(knn_last)} | "
         f"{_pct(lay['knn']['best'])} ({lay['knn']['best_block'] + 1}) | "
         + " | ".join(_pct(_probe(r, f)) for f in ("mean", "mean_ln", "cls", "cls_ln"))
