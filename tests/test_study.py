@@ -80,10 +80,10 @@ def test_controls_without_a_schedule_print_no_alpha_min(studied):
   tail = f", lr {control['lr']:g}, {control['epochs']:g} ep"
   assert study._arm_label(control) == "sqrt_half_both" + tail
   assert study._arm_label(decayed) == "attn_only a0.6" + tail
-  cells = [c.strip() for c in study.table([control, decayed]).splitlines()[-2:][0].split("|")]
-  assert cells[1:4] == ["sqrt_half_both_x", "-", "sqrt_half_both"]
-  cells = [c.strip() for c in study.table([control, decayed]).splitlines()[-1].split("|")]
-  assert cells[2:4] == ["0.6", "attn_only"]
+  control_row, decayed_row = [[c.strip() for c in line.split("|")]
+                               for line in study.table([control, decayed]).splitlines()[-2:]]
+  assert control_row[1:4] == ["sqrt_half_both_x", "-", "sqrt_half_both"]
+  assert decayed_row[2:4] == ["0.6", "attn_only"]
 
 
 def test_arms_are_trained_and_evaluated(studied):
