@@ -33,7 +33,8 @@ Model and recipe: the official MAE architecture scaled down (encoder 12 x 192, 3
 flips. ``optim.lr`` 1e-3 is the absolute learning rate the earlier CPU test used; the study's
 ``lr`` grid also runs the official rule 1.5e-4 x 128 / 256 = 7.5e-5. The KNN of the last block
 (k 20, T 0.07, mean of all tokens) is logged every 3 epochs; per-block probes, the linear probes
-and the rank pass run once at the end of each arm.
+(the official one on raw features and on features standardised per dimension, official_std) and
+the rank pass run once at the end of each arm.
 """
 
 import os
@@ -71,7 +72,7 @@ def get_config():
   c.evals.linear.eval_split = "train[8000:]"
   c.evals.linear.max_train_examples = 0
   c.evals.linear.batch_size = 500
-  c.evals.linear.protocols = "official"
+  c.evals.linear.protocols = "official,official_std"
   c.evals.linear.features = "mean,mean_ln,cls,cls_ln,patch_mean,patch_mean_ln"
   c.evals.layers.train_split = "train[:8000]"
   c.evals.layers.eval_split = "train[8000:]"

@@ -13,8 +13,9 @@ gets its own table and the plots overlay them. Data and evaluator settings come 
 needs ``--config``. The evaluators are the ones training runs (``decay_jax.evals.runner``):
 
   ``knn``     weighted KNN of the last block (k 20, T 0.07, cosine; our protocol)
-  ``linear``  linear probes of the last block: ``official`` and/or ``mae`` protocols, one head per
-              feature choice (cls / patch mean / mean of all tokens, with or without LayerNorm)
+  ``linear``  linear probes of the last block: ``official``, ``official_std`` (the same on
+              standardised features) and/or ``mae`` protocols, one head per feature choice (cls /
+              patch mean / mean of all tokens, with or without LayerNorm)
   ``layers``  KNN and a fast linear probe on every block (curves; best block against last block)
   ``rank``    effective rank per block (spectral entropy rho, exp(rho)) and branch ratios
               ``||f(x)|| / ||alpha x||`` per sublayer

@@ -3,6 +3,7 @@
     python -m decay_jax.study --config=configs/study_cifar10k.py --workdir=DIR --grid=alpha,controls
     python -m decay_jax.study --config=configs/study_cifar10k.py --workdir=DIR --list
     python -m decay_jax.study --config=configs/study_cifar10k.py --workdir=DIR --report_only
+    python -m decay_jax.study --config=configs/study_cifar10k.py --workdir=DIR --only=ARM --reevaluate
 
 Every arm is the config with a few fields overridden (``decay_jax/evals/study.py``); it trains in
 ``DIR/<arm>`` with ``decay_jax.main``'s trainer (same data order, seed and augmentation for every
@@ -47,6 +48,9 @@ _LIST = flags.DEFINE_bool("list", False, "Print the arms of --grid and exit.")
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False,
                                  "Only rebuild the table and plots from finished arms.")
 _LONG_EPOCHS = flags.DEFINE_float("long_epochs", 100.0, "Epochs of the 'long' grid.")
+_REEVALUATE = flags.DEFINE_bool(
+    "reevaluate", False, "Evaluate finished arms again from their final checkpoint with the "
+    "config's evaluators (for example after a probe was added), keeping their training record.")
 _ARCHIVE = flags.DEFINE_string(
     "archive", "", "Directory that keeps a copy of every finished arm's record (for example "
     "docs/study_records in the repository); its arms join the table and plots even when their "
@@ -72,6 +76,9 @@ def main(argv):
     configs = [study_lib.arm_config(base, a) for a in arms]
     for cfg in configs:
       trainer.check_config(cfg)
+    if _REEVALUATE.value and not _REPORT_ONLY.value and not _LIST.value:
+      for a, cfg in zip(arms, configs):
+        study_lib.check_reevaluable(a, cfg, os.path.join(workdir, a["name"]))
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -90,7 +97,8 @@ def main(argv):
         eta = f", ETA of the remaining arms {(len(arms) - i) * per_arm / 60:.0f} min"
       logging.info("=== arm %d/%d: %s -> %s%s", i + 1, len(arms), a["name"], workdir, eta)
       t0 = time.perf_counter()
-      record = study_lib.run_arm(a, cfg, os.path.join(workdir, a["name"]), mesh)
+      record = study_lib.run_arm(a, cfg, os.path.join(workdir, a["name"]), mesh,
+                                 reevaluate=_REEVALUATE.value)
       if record.get("train_seconds") and time.perf_counter() - t0 > 60:
         done_seconds.append(time.perf_counter() - t0)
     logging.info("grid done in %.1f min", (time.perf_counter() - t_start) / 60)

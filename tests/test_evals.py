@@ -122,6 +122,20 @@ def test_heads_train_independently():
   assert both["top1"][0] == alone["top1"][0]
 
 
+def test_standardised_official_probe_ignores_offset_and_scale():
+  """official_std sees through a shared offset and a small spread; the released probe does not."""
+  x, y = separable(seed=0)
+  qx, qy = separable(seed=1)
+  squash = lambda v: 0.05 * v + 30.0  # a large vector common to every image, little variation
+  kw = dict(epochs=3, batch_size=32)
+  plain = lp.official_probe(x, y, qx, qy, 3, standardize_features=True, **kw)
+  squashed = lp.official_probe(squash(x), y, squash(qx), qy, 3, standardize_features=True, **kw)
+  raw = lp.official_probe(squash(x), y, squash(qx), qy, 3, **kw)
+  assert plain["top1"][0] == squashed["top1"][0] == 1.0
+  np.testing.assert_allclose(squashed["final_loss"], plain["final_loss"], rtol=1e-3)
+  assert raw["top1"][0] < 0.5 and raw["final_loss"] > 1.5 * plain["final_loss"]  # near chance
+
+
 def test_probe_input_checks():
   x, y = separable()
   with pytest.raises(ValueError, match="batch_size=1000"):

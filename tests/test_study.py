@@ -103,6 +103,9 @@ def test_arms_are_trained_and_evaluated(studied):
       assert lay["knn"]["best"] == max(lay["knn_top1"])
     probes = r["evaluation"]["sections"]["linear"]["official"]["results"]
     assert set(probes) == {"mean", "mean_ln", "cls", "cls_ln", "patch_mean", "patch_mean_ln"}
+    standardised = r["evaluation"]["sections"]["linear"]["official_std"]["results"]
+    assert set(standardised) == set(probes)
+    assert all(0.0 <= v["top1"] <= 1.0 for v in standardised.values())
     assert len(r["evaluation"]["sections"]["rank"]["tokens_erank"]) == 4
   # Each arm's model carries its own schedule (alpha_min 1 is the standard residual network).
   assert records[0]["evaluation"]["model"]["alpha_min"] == 0.6
@@ -119,7 +122,8 @@ def test_table_plots_and_resume(studied):
   r = records[0]
   knn = 100 * r["evaluation"]["sections"]["knn"]["top1"]
   probe = 100 * r["evaluation"]["sections"]["linear"]["official"]["results"]["cls_ln"]["top1"]
-  assert f"| {knn:.2f} |" in rows[0] and f"| {probe:.2f} |" in rows[0]
+  std = 100 * r["evaluation"]["sections"]["linear"]["official_std"]["results"]["mean"]["top1"]
+  assert f"| {knn:.2f} |" in rows[0] and f"| {probe:.2f} | {std:.2f} |" in rows[0]
   # Per-block table: 2 arms x 4 features x (KNN, linear) rows, one cell per block of micro/4.
   lay = r["layers_by_feature"]["cls_ln"]
   block_rows = [line for line in text.splitlines() if line.startswith("| a0.6_")
@@ -232,5 +236,38 @@ def test_difference_table_subtracts_the_baseline_trained_alike(studied):
   mean_knn = lambda r: r["layers_by_feature"]["mean"]["knn_top1"]
   ahead = [i + 1 for i, (x, y) in enumerate(zip(mean_knn(decayed), mean_knn(base)))
            if 100 * (x - y) > study.NOISE_POINTS]
-  assert cells[10].split(" / ")[0] == (study._blocks(ahead))
+  std = lambda r: r["evaluation"]["sections"]["linear"]["official_std"]["results"]["mean"]["top1"]
+  assert cells[10] == f"{100 * (std(decayed) - std(base)):+.2f}"
+  assert cells[11].split(" / ")[0] == (study._blocks(ahead))
   assert study._blocks([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9-10" and study._blocks([]) == "-"
+
+
+def test_reevaluate_replaces_only_the_evaluation(studied, tmp_path):
+  import shutil
+  base, arms, workdir, records, mesh = studied
+  arm_dir = str(tmp_path / arms[0]["name"])
+  shutil.copytree(os.path.join(workdir, arms[0]["name"]), arm_dir)
+  record_path = os.path.join(arm_dir, "study_record.json")
+  old = json.loads(json.dumps(records[0]))
+  # A record evaluated before the standardised probe existed.
+  del old["evaluation"]["sections"]["linear"]["official_std"]
+  with open(record_path, "w") as f:
+    json.dump(dict(old, eval_seconds=-1.0), f)
+  cfg = study.arm_config(base, arms[0])
+  kept = study.run_arm(arms[0], cfg, arm_dir, mesh)  # without the flag: kept as it is
+  assert "official_std" not in kept["evaluation"]["sections"]["linear"]
+  again = study.run_arm(arms[0], cfg, arm_dir, mesh, reevaluate=True)
+  for key in ("final_loss", "train_seconds", "knn_curve", "step", "name", "lr"):
+    assert again[key] == old[key]
+  assert again["eval_seconds"] > 0
+  lin, ref = again["evaluation"]["sections"]["linear"], records[0]["evaluation"]["sections"]["linear"]
+  for protocol in ("official", "official_std"):  # same checkpoint, same probes: same numbers
+    assert lin[protocol]["results"]["mean"]["top1"] == pytest.approx(
+        ref[protocol]["results"]["mean"]["top1"], abs=1e-9)
+  with open(record_path) as f:
+    assert json.load(f)["evaluation"]["sections"]["linear"].keys() == lin.keys()
+  # Its final checkpoint gone: a one-line error before any work.
+  shutil.rmtree(os.path.join(arm_dir, "checkpoints"))
+  with pytest.raises(ValueError, match="reevaluate=True is not allowed for arm a0.6_.*no final"):
+    study.check_reevaluable(arms[0], cfg, arm_dir)
+  study.check_reevaluable(arms[0], cfg, str(tmp_path / "never_trained"))  # trains first: fine

@@ -26,7 +26,7 @@ from decay_jax import sharding as shd
 from decay_jax.data import pipeline
 from decay_jax.evals import branches, features, layerwise, linear_probe, rank
 
-PROTOCOLS = ("official", "mae")
+PROTOCOLS = ("official", "official_std", "mae")
 
 
 def load_split(data_cfg, split: str, max_examples: int) -> Dict[str, np.ndarray]:
@@ -145,13 +145,16 @@ class LinearEvaluator:
            "num_train": int(train_x.shape[0]), "num_test": int(test_x.shape[0])}
     by_choice = lambda res: {c: {k: v[i] for k, v in res.items() if isinstance(v, list)}
                              for i, c in enumerate(self.choices)}
-    if "official" in self.protocols:
+    for protocol in ("official", "official_std"):  # one recipe, raw or standardised features
+      if protocol not in self.protocols:
+        continue
       o = self.cfg.official
       res = linear_probe.official_probe(train_x, self.train["label"], test_x, self.test["label"],
                                         self.num_classes, epochs=o.epochs, lr=o.lr,
                                         weight_decay=o.weight_decay, batch_size=o.batch_size,
-                                        seed=self.cfg.seed)
-      out["official"] = {"settings": o.to_dict(), "results": by_choice(res)}
+                                        seed=self.cfg.seed,
+                                        standardize_features=protocol == "official_std")
+      out[protocol] = {"settings": o.to_dict(), "results": by_choice(res)}
     if "mae" in self.protocols:
       m = self.cfg.mae
       if m.augment:

@@ -116,11 +116,14 @@ def _earlier_runs_seconds(arm_dir: str) -> float:
   return total + last
 
 
-def run_arm(a, cfg, workdir: str, mesh) -> Dict[str, Any]:
-  """Trains (or resumes) one arm and evaluates its final checkpoint; returns its record."""
-  from decay_jax import checkpoint as ckpt_lib
+def run_arm(a, cfg, workdir: str, mesh, reevaluate: bool = False) -> Dict[str, Any]:
+  """Trains (or resumes) one arm and evaluates its final checkpoint; returns its record.
+
+  A finished arm is kept as it is; with ``reevaluate`` its last checkpoint is evaluated again by
+  the evaluators of ``cfg`` (for example after a probe was added) and only the record's evaluation
+  is replaced: its training numbers (loss, time, KNN curve) stay.
+  """
   from decay_jax.data import pipeline
-  from decay_jax.evals import suite
   from decay_jax.train import config as config_lib
   from decay_jax.train import trainer
   num_train = pipeline.dataset_info(cfg.data)["num_train"]
@@ -130,15 +133,51 @@ def run_arm(a, cfg, workdir: str, mesh) -> Dict[str, Any]:
     with open(path) as f:
       record = json.load(f)
     if record.get("step") == total:
-      logging.info("arm %s: finished earlier, kept", a["name"])
-      return record
+      if not reevaluate:
+        logging.info("arm %s: finished earlier, kept", a["name"])
+        return record
+      logging.info("arm %s: finished earlier, evaluating its checkpoint again", a["name"])
+      return _write_record(path, dict(record, **_evaluate(a, cfg, workdir, mesh, total)))
   earlier = _earlier_runs_seconds(workdir)
   t0 = time.perf_counter()
   results = trainer.train_and_evaluate(cfg, workdir)
   if results.get("preempted"):
     raise KeyboardInterrupt(f"arm {a['name']} stopped by SIGTERM at step {results['step']}")
   train_seconds = earlier + time.perf_counter() - t0
+  evaluated = _evaluate(a, cfg, workdir, mesh, total)
+  return _write_record(path, dict(
+      name=a["name"], grid=a["grid"], overrides=a["overrides"], step=evaluated.pop("step"),
+      alpha_min=cfg.model.alpha_min, shortcut_form=cfg.model.shortcut_form,
+      lr=cfg.optim.lr, epochs=cfg.num_epochs, batch_size=cfg.batch_size,
+      final_loss=results.get("loss"), train_seconds=train_seconds, **evaluated,
+      knn_curve=_knn_curve(workdir, cfg.batch_size, num_train)))
+
+
+def check_reevaluable(a, cfg, workdir: str) -> None:
+  """Raises a one-line ValueError when ``a`` is finished but its final checkpoint is gone."""
+  from decay_jax import checkpoint as ckpt_lib
+  from decay_jax.data import pipeline
+  from decay_jax.train import config as config_lib
+  path = _record_path(workdir)
+  if not os.path.exists(path):
+    return  # not finished: it trains first
+  total, _ = config_lib.steps_for(cfg, pipeline.dataset_info(cfg.data)["num_train"])
+  with open(path) as f:
+    finished = json.load(f).get("step") == total
+  steps = ckpt_lib.checkpoint_steps(workdir)
+  if finished and total not in steps:
+    raise ValueError(f"reevaluate=True is not allowed for arm {a['name']}: {workdir!r} has no "
+                     f"final checkpoint (step {total}; it has {steps or 'none'})")
+
+
+def _evaluate(a, cfg, workdir: str, mesh, total: int) -> Dict[str, Any]:
+  """The evaluation fields of an arm's record, from its last checkpoint (which must be final)."""
+  from decay_jax import checkpoint as ckpt_lib
+  from decay_jax.evals import suite
   params, step = ckpt_lib.restore_run_params(workdir, mesh)
+  if step != total:
+    raise ValueError(f"workdir={workdir!r} is not allowed; its last checkpoint is step {step}, "
+                     f"not the final step {total}")
   model = suite.run_model(cfg, params)
   t0 = time.perf_counter()
   ev = suite.evaluate_model(a["name"], model, params, cfg.data, cfg.evals,
@@ -147,13 +186,11 @@ def run_arm(a, cfg, workdir: str, mesh) -> Dict[str, Any]:
                                             if f != cfg.evals.layers.feature])
   layers = {cfg.evals.layers.feature: ev["sections"]["layers"],
             **ev["sections"].pop("layers_by_feature", {})}
-  record = dict(
-      name=a["name"], grid=a["grid"], overrides=a["overrides"], step=step,
-      alpha_min=cfg.model.alpha_min, shortcut_form=cfg.model.shortcut_form,
-      lr=cfg.optim.lr, epochs=cfg.num_epochs, batch_size=cfg.batch_size,
-      final_loss=results.get("loss"), train_seconds=train_seconds,
-      eval_seconds=time.perf_counter() - t0, evaluation=ev, layers_by_feature=layers,
-      knn_curve=_knn_curve(workdir, cfg.batch_size, num_train))
+  return dict(step=step, eval_seconds=time.perf_counter() - t0, evaluation=ev,
+              layers_by_feature=layers)
+
+
+def _write_record(path: str, record: Dict[str, Any]) -> Dict[str, Any]:
   with open(path + ".tmp", "w") as f:
     json.dump(record, f, indent=1)
   os.replace(path + ".tmp", path)
@@ -168,9 +205,9 @@ def _pct(x) -> str:
   return "-" if x is None else f"{100 * x:.2f}"
 
 
-def _probe(record, feature: str):
-  """Top-1 of the official linear probe on the last block for one feature choice (or None)."""
-  res = record["evaluation"]["sections"].get("linear", {}).get("official", {}).get("results", {})
+def _probe(record, feature: str, protocol: str = "official"):
+  """Top-1 of a linear probe on the last block for one feature choice (or None: not measured)."""
+  res = record["evaluation"]["sections"].get("linear", {}).get(protocol, {}).get("results", {})
   return res.get(feature, {}).get("top1")
 
 
@@ -191,9 +228,9 @@ def _arm_label(r) -> str:
 def table(records: Sequence[Dict[str, Any]]) -> str:
   lines = [
       "| arm | alpha_min | form | lr | epochs | final loss | KNN last | KNN best (block) | "
-      "probe mean | probe mean+LN | probe cls | probe cls+LN | fast linear best (block) / last "
-      "| train | eval |",
-      "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+      "probe mean | probe mean+LN | probe cls | probe cls+LN | probe mean, std. | "
+      "fast linear best (block) / last | train | eval |",
+      "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in records:
     lay = r["layers_by_feature"]["mean"]
     knn_last = r["evaluation"]["sections"]["knn"]["top1"]
@@ -202,6 +239,7 @@ def table(records: Sequence[Dict[str, Any]]) -> str:
         f"{r['epochs']:g} | {r['final_loss']:.4f} | {_pct(knn_last)} | "
         f"{_pct(lay['knn']['best'])} ({lay['knn']['best_block'] + 1}) | "
         + " | ".join(_pct(_probe(r, f)) for f in ("mean", "mean_ln", "cls", "cls_ln"))
+        + f" | {_pct(_probe(r, 'mean', 'official_std'))}"
         + f" | {_pct(lay['linear']['best'])} ({lay['linear']['best_block'] + 1}) / "
         f"{_pct(lay['linear']['last'])} | {r['train_seconds'] / 60:.1f} min | "
         f"{r['eval_seconds'] / 60:.1f} min |")
@@ -242,14 +280,15 @@ def difference_table(records: Sequence[Dict[str, Any]]) -> str:
   """
   lines = [
       "| arm | minus | KNN last | KNN best | probe mean | probe mean+LN | probe cls | "
-      "probe cls+LN | cls KNN best | fast linear best | blocks ahead by > "
+      "probe cls+LN | cls KNN best | fast linear best | probe mean, std. | blocks ahead by > "
       f"{NOISE_POINTS:g} (mean KNN / cls KNN) |",
-      "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+      "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
   def cells(r):
     lay = r["layers_by_feature"]
     return ([r["evaluation"]["sections"]["knn"]["top1"], lay["mean"]["knn"]["best"]]
             + [_probe(r, f) for f in ("mean", "mean_ln", "cls", "cls_ln")]
-            + [lay["cls"]["knn"]["best"] if "cls" in lay else None, lay["mean"]["linear"]["best"]])
+            + [lay["cls"]["knn"]["best"] if "cls" in lay else None, lay["mean"]["linear"]["best"],
+               _probe(r, "mean", "official_std")])
   for r in records:
     b = baseline_of(r, records)
     if b is None or _is_baseline(r):
@@ -448,5 +487,6 @@ def budget(base) -> str:
           f"{base.warmup_epochs:g} epochs, data {base.data.dataset} ({base.data.train_split} to "
           f"train, {base.data.eval_split} to evaluate), seed {base.seed}; arms differ only in the "
           "fields in their names. Probes: KNN k 20 T 0.07 on the mean of all tokens; linear probe "
-          "of the official protocol on the last block per feature; fast linear probe per block. "
-          "Block numbers are 1-based.")
+          "of the official protocol on the last block per feature (\"probe mean, std.\": the same "
+          "probe on the token mean standardised per dimension, official_std; '-' where not "
+          "measured); fast linear probe per block. Block numbers are 1-based.")
