@@ -3,7 +3,7 @@
     python -m decay_jax.study --config=configs/study_cifar10k.py --workdir=DIR --grid=alpha,controls
     python -m decay_jax.study --config=configs/study_cifar10k.py --workdir=DIR --list
     python -m decay_jax.study --config=configs/study_cifar10k.py --workdir=DIR --report_only
-    python -m decay_jax.study --config=configs/study_cifar10k.py --workdir=DIR --only=ARM --reevaluate
+    python -m decay_jax.study --config=configs/study_cifar10k.py --workdir=DIR --reevaluate
 
 Every arm is the config with a few fields overridden (``decay_jax/evals/study.py``); it trains in
 ``DIR/<arm>`` with ``decay_jax.main``'s trainer (same data order, seed and augmentation for every

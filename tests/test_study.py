@@ -260,7 +260,8 @@ def test_reevaluate_replaces_only_the_evaluation(studied, tmp_path):
   for key in ("final_loss", "train_seconds", "knn_curve", "step", "name", "lr"):
     assert again[key] == old[key]
   assert again["eval_seconds"] > 0
-  lin, ref = again["evaluation"]["sections"]["linear"], records[0]["evaluation"]["sections"]["linear"]
+  lin = again["evaluation"]["sections"]["linear"]
+  ref = records[0]["evaluation"]["sections"]["linear"]
   for protocol in ("official", "official_std"):  # same checkpoint, same probes: same numbers
     assert lin[protocol]["results"]["mean"]["top1"] == pytest.approx(
         ref[protocol]["results"]["mean"]["top1"], abs=1e-9)
