@@ -123,21 +123,15 @@ def run_arm(a, cfg, workdir: str, mesh, reevaluate: bool = False) -> Dict[str, A
   the evaluators of ``cfg`` (for example after a probe was added) and only the record's evaluation
   is replaced: its training numbers (loss, time, KNN curve) stay.
   """
-  from decay_jax.data import pipeline
-  from decay_jax.train import config as config_lib
   from decay_jax.train import trainer
-  num_train = pipeline.dataset_info(cfg.data)["num_train"]
-  total, _ = config_lib.steps_for(cfg, num_train)
+  total, num_train, record = _finished(cfg, workdir)
   path = _record_path(workdir)
-  if os.path.exists(path):
-    with open(path) as f:
-      record = json.load(f)
-    if record.get("step") == total:
-      if not reevaluate:
-        logging.info("arm %s: finished earlier, kept", a["name"])
-        return record
-      logging.info("arm %s: finished earlier, evaluating its checkpoint again", a["name"])
-      return _write_record(path, dict(record, **_evaluate(a, cfg, workdir, mesh, total)))
+  if record is not None:
+    if not reevaluate:
+      logging.info("arm %s: finished earlier, kept", a["name"])
+      return record
+    logging.info("arm %s: finished earlier, evaluating its checkpoint again", a["name"])
+    return _write_record(path, dict(record, **_evaluate(a, cfg, workdir, mesh, total)))
   earlier = _earlier_runs_seconds(workdir)
   t0 = time.perf_counter()
   results = trainer.train_and_evaluate(cfg, workdir)
@@ -153,19 +147,28 @@ def run_arm(a, cfg, workdir: str, mesh, reevaluate: bool = False) -> Dict[str, A
       knn_curve=_knn_curve(workdir, cfg.batch_size, num_train)))
 
 
+def _finished(cfg, workdir: str):
+  """``(total steps, training images, record)`` of one arm; record is None until it is finished."""
+  from decay_jax.data import pipeline
+  from decay_jax.train import config as config_lib
+  num_train = pipeline.dataset_info(cfg.data)["num_train"]
+  total, _ = config_lib.steps_for(cfg, num_train)
+  path = _record_path(workdir)
+  if not os.path.exists(path):
+    return total, num_train, None
+  with open(path) as f:
+    record = json.load(f)
+  return total, num_train, record if record.get("step") == total else None
+
+
 def check_reevaluable(a, cfg, workdir: str) -> None:
   """Raises a one-line ValueError when ``a`` is finished but its final checkpoint is gone."""
   from decay_jax import checkpoint as ckpt_lib
-  from decay_jax.data import pipeline
-  from decay_jax.train import config as config_lib
-  path = _record_path(workdir)
-  if not os.path.exists(path):
+  total, _, record = _finished(cfg, workdir)
+  if record is None:
     return  # not finished: it trains first
-  total, _ = config_lib.steps_for(cfg, pipeline.dataset_info(cfg.data)["num_train"])
-  with open(path) as f:
-    finished = json.load(f).get("step") == total
   steps = ckpt_lib.checkpoint_steps(workdir)
-  if finished and total not in steps:
+  if total not in steps:
     raise ValueError(f"reevaluate=True is not allowed for arm {a['name']}: {workdir!r} has no "
                      f"final checkpoint (step {total}; it has {steps or 'none'})")
 
