@@ -17,10 +17,11 @@ at lr 1e-3, 30 epochs, last-block KNN 29.90% / 31.45% / 37.30% / 40.30% / 42.80%
 only with the cls token). At the official lr 7.5e-5: 22.65% / 29.75% / 33.95% / 31.55% / 31.25%
 (0.6 / 0.7 / 0.8 / 0.9 / 1.0) on the last block, 31.65% (block 3) / 33.15% (block 7) / 33.95%
 (block 12) / 32.30% (block 9) / 32.40% (block 5) at the best; official probe on the token mean
-21.45 / 25.30 / 31.80 / 38.15 / 40.30%. The
-control sqrt_half_both (lr 1e-3): 25.55% last-block KNN, probe 26.60% (token mean) and 25.60%
-(cls), the worst arm; attn_only 0.6: 36.45% KNN, probe 46.05% (token mean) and 44.20% (cls);
-mlp_only 0.6: 33.80% KNN, probe 39.25% (token mean) and 38.10% (cls).
+21.45 / 25.30 / 31.80 / 38.15 / 40.30%, standardised (official_std) - / 40.70 / 41.00 / 43.65 /
+46.05% (the baseline's from a second run of it). The control sqrt_half_both (lr 1e-3): 25.55%
+last-block KNN, probe 26.60% (token mean) and 25.60% (cls), the worst arm; attn_only 0.6: 36.45%
+KNN, probe 46.05% (token mean) and 44.20% (cls); mlp_only 0.6: 33.80% KNN, probe 39.25% (token
+mean) and 38.10% (cls).
 
 Data: ``cifar10_train10k.npz`` (the 10,000 images of CIFAR-10 ``data_batch_1``, JPEG-75 copies; see
 the README of ../shared/data). The split is fixed: ``train[:8000]`` trains the MAE and is the KNN
