@@ -21,8 +21,9 @@ only with the cls token). At the official lr 7.5e-5: 22.65% / 29.75% / 33.95% / 
 46.05% (the baseline's from a second run of it). The control sqrt_half_both (lr 1e-3): 25.55%
 last-block KNN, probe 26.60% (token mean) and 25.60% (cls), the worst arm; attn_only 0.6: 36.45%
 KNN, probe 46.05% (token mean) and 44.20% (cls); mlp_only 0.6: 33.80% KNN, probe 39.25% (token
-mean) and 38.10% (cls). The baseline at lr 1e-3 for 100 epochs (--grid=long; 355 min of training
-on 2 cores): last-block KNN 45.85%, official probe 56.10% (token mean) and 54.90% (cls).
+mean) and 38.10% (cls). At lr 1e-3 for 100 epochs (--grid=long; 232-355 min of training per arm on
+2 cores): last-block KNN 34.20% / 45.85% for alpha_min 0.6 / 1.0, best-block KNN 45.80% (block 6) /
+46.45% (block 10), official probe 42.70 / 56.10% (token mean) and 43.15 / 54.90% (cls).
 
 Data: ``cifar10_train10k.npz`` (the 10,000 images of CIFAR-10 ``data_batch_1``, JPEG-75 copies; see
 the README of ../shared/data). The split is fixed: ``train[:8000]`` trains the MAE and is the KNN
