@@ -21,3 +21,20 @@ def quiet_libraries() -> None:
   for h in handlers:
     if not any(isinstance(f, _QuietLibraries) for f in h.filters):
       h.addFilter(_QuietLibraries())
+
+
+def cpu_malloc_hint(backend: str, environ=None) -> str | None:
+  """A one-line tip when XLA:CPU runs under glibc without launch/cpu_env.sh, else None.
+
+  glibc unmaps XLA:CPU's per-step scratch block on free and faults it in again next step
+  (launch/cpu_env.sh has the numbers); the launch scripts set the fix, a bare `python -m` does not.
+  """
+  import os
+  import platform
+  environ = os.environ if environ is None else environ
+  if backend != "cpu" or platform.libc_ver()[0] != "glibc":
+    return None
+  if "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
+    return None
+  return ("CPU run without launch/cpu_env.sh: glibc unmaps and re-faults XLA's scratch memory "
+          "every step (kernel time); `source launch/cpu_env.sh` before python avoids it")

@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/venv.sh requirements.txt
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
+[ "$JAX_PLATFORMS" != cpu ] || source launch/cpu_env.sh
 WORKDIR=${1:-workdir/demo}
 shift || true
 exec .venv/bin/python -m decay_jax.compare --config=configs/mae_cpu_mnist.py \

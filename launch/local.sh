@@ -12,7 +12,7 @@ CONFIG=$1; WORKDIR=$2; shift 2
 source launch/venv.sh requirements.txt
 JAX_VERSION=$(sed -n 's/^jax==//p' requirements.txt)
 case "${JAX_EXTRA:-}" in
-  "") ;;
+  "") source launch/cpu_env.sh ;;
   cuda12|tpu) .venv/bin/python -m pip install -q "jax[${JAX_EXTRA}]==${JAX_VERSION}" ;;
   *) echo "error: JAX_EXTRA=${JAX_EXTRA} is not allowed; choose cuda12, tpu or leave it empty" >&2; exit 2 ;;
 esac

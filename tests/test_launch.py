@@ -2,6 +2,7 @@
 
 import glob
 import os
+import platform
 import subprocess
 
 import pytest
@@ -66,3 +67,53 @@ def test_gpu_bench_dry_run_runs_sit_xl2_and_mae_vit_l_in_bf16_with_cudnn():
   assert "attention_impl=xla" in p.stdout and "cudnn" not in p.stdout
   p = run(["bash", "launch/gpu_bench.sh"], BENCH_PLATFORM="tpu")
   assert p.returncode == 2 and "BENCH_PLATFORM=tpu is not allowed" in p.stderr
+
+
+# A worker thread mallocs, touches and frees a 64 MB block five times, as XLA:CPU does with a
+# step's scratch block; prints the process's minor page faults.
+_FAULTS = """
+import ctypes, resource, threading
+libc = ctypes.CDLL("libc.so.6"); libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+def work():
+  for _ in range(5):
+    p = libc.malloc(64 << 20); ctypes.memset(p, 1, 64 << 20); libc.free(p)
+t = threading.Thread(target=work); t.start(); t.join()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+"""
+
+
+def _faults(source_env: bool, **env) -> int:
+  script = ("source launch/cpu_env.sh; " if source_env else "") + 'exec python3 -c "$0"'
+  p = run(["bash", "-c", script, _FAULTS], **env)
+  assert p.returncode == 0, p.stderr
+  return int(p.stdout)
+
+
+def test_cpu_env_keeps_freed_scratch_mapped():
+  if platform.libc_ver()[0] != "glibc":
+    pytest.skip("glibc only: GLIBC_TUNABLES means nothing elsewhere")
+  base = {"GLIBC_TUNABLES": ""}
+  # 64 MB is 16,384 pages: faulted five times by default, once with the tunables.
+  default, tuned = _faults(False, **base), _faults(True, **base)
+  assert default - tuned > 3 * 16384, (default, tuned)
+
+
+def test_cpu_env_leaves_user_malloc_settings():
+  p = run(["bash", "-c", "source launch/cpu_env.sh; echo $GLIBC_TUNABLES"],
+          GLIBC_TUNABLES="glibc.malloc.arena_max=4")
+  assert p.stdout.strip() == "glibc.malloc.arena_max=4"
+  p = run(["bash", "-c", "source launch/cpu_env.sh; echo $GLIBC_TUNABLES"],
+          GLIBC_TUNABLES="glibc.rtld.optional_static_tls=512")
+  assert p.stdout.strip() == ("glibc.rtld.optional_static_tls=512:glibc.malloc.arena_max=1:"
+                              "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736")
+
+
+def test_trainer_hint_names_cpu_env_only_when_missing():
+  from decay_jax import logs
+  on_glibc = platform.libc_ver()[0] == "glibc"
+  hint = logs.cpu_malloc_hint("cpu", {})
+  assert (hint is not None and "source launch/cpu_env.sh" in hint) == on_glibc
+  tuned = run(["bash", "-c", "source launch/cpu_env.sh; echo $GLIBC_TUNABLES"]).stdout.strip()
+  assert logs.cpu_malloc_hint("cpu", {"GLIBC_TUNABLES": tuned}) is None
+  assert logs.cpu_malloc_hint("gpu", {}) is None

@@ -22,7 +22,7 @@ from clu import periodic_actions
 from PIL import Image
 
 from decay_jax import checkpoint as ckpt_lib
-from decay_jax import flops
+from decay_jax import flops, logs
 from decay_jax import sharding as shd
 from decay_jax.data import pipeline
 from decay_jax.evals import runner as eval_runner
@@ -122,6 +122,8 @@ def train_and_evaluate(config, workdir: str) -> Dict[str, Any]:
   writer = writers.make_writer(workdir, is_main)
   logging.info("devices: %d (%s), processes: %d, mesh %s", jax.device_count(),
                jax.devices()[0].device_kind, jax.process_count(), dict(mesh.shape))
+  if (hint := logs.cpu_malloc_hint(jax.default_backend())) is not None:
+    logging.info("%s", hint)
   logging.info("model: %s, alpha_min=%s, alpha_eff=%.4g; %d steps (%d warmup), batch %d",
                type(model).__name__, model.alpha_min, model.shortcuts.alpha_eff, total_steps,
                warmup_steps, config.batch_size)
