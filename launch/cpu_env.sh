@@ -6,10 +6,10 @@
 # with mmap and unmaps it on free, so every step faults the whole block in again: 100-140 thousand
 # page faults a second and 20-30% of the CPU time in the kernel on a 2-core machine. One arena, no
 # mmap and no trimming keep the block mapped after the first step: 0 faults a second, 1-2% kernel
-# time. The speed gain is smaller than the kernel time suggests and hard to separate from the
-# machine's drift (2-core AMD EPYC, 2026-12-02: +6% to +20% steps/s in neighbouring blocks of the
-# study's training; `bench`'s bare train step, without the input pipeline, showed none). Only glibc
-# reads GLIBC_TUNABLES; elsewhere (macOS) this is a no-op. Memory stays at the run's peak.
+# time. Steps/s in neighbouring 5-minute blocks of the study's training (2-core AMD EPYC,
+# 2026-12-02): +24%, +6%, +35%, +36%; `bench`'s bare train step (no input pipeline) showed no
+# difference. Only glibc reads GLIBC_TUNABLES; elsewhere (macOS) this is a no-op. Memory stays at
+# the run's peak.
 _DECAY_JAX_MALLOC="glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
 case ":${GLIBC_TUNABLES:-}:" in
   *glibc.malloc.*) ;;  # the user chose malloc settings already: leave them
