@@ -11,7 +11,7 @@
 # difference. Only glibc reads GLIBC_TUNABLES; elsewhere (macOS) this is a no-op. Memory stays at
 # the run's peak.
 _DECAY_JAX_MALLOC="glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
-case ":${GLIBC_TUNABLES:-}:" in
+case "${GLIBC_TUNABLES:-}" in
   *glibc.malloc.*) ;;  # the user chose malloc settings already: leave them
   *) export GLIBC_TUNABLES="${GLIBC_TUNABLES:+${GLIBC_TUNABLES}:}${_DECAY_JAX_MALLOC}" ;;
 esac

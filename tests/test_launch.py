@@ -99,14 +99,18 @@ def test_cpu_env_keeps_freed_scratch_mapped():
   assert default - tuned > 3 * 16384, (default, tuned)
 
 
+def _sourced_tunables(**env) -> str:
+  """GLIBC_TUNABLES as launch/cpu_env.sh leaves it, starting from `env`."""
+  p = run(["bash", "-c", "source launch/cpu_env.sh; echo $GLIBC_TUNABLES"], **env)
+  assert p.returncode == 0, p.stderr
+  return p.stdout.strip()
+
+
 def test_cpu_env_leaves_user_malloc_settings():
-  p = run(["bash", "-c", "source launch/cpu_env.sh; echo $GLIBC_TUNABLES"],
-          GLIBC_TUNABLES="glibc.malloc.arena_max=4")
-  assert p.stdout.strip() == "glibc.malloc.arena_max=4"
-  p = run(["bash", "-c", "source launch/cpu_env.sh; echo $GLIBC_TUNABLES"],
-          GLIBC_TUNABLES="glibc.rtld.optional_static_tls=512")
-  assert p.stdout.strip() == ("glibc.rtld.optional_static_tls=512:glibc.malloc.arena_max=1:"
-                              "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736")
+  assert _sourced_tunables(GLIBC_TUNABLES="glibc.malloc.arena_max=4") == "glibc.malloc.arena_max=4"
+  assert _sourced_tunables(GLIBC_TUNABLES="glibc.rtld.optional_static_tls=512") == (
+      "glibc.rtld.optional_static_tls=512:glibc.malloc.arena_max=1:"
+      "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736")
 
 
 def test_trainer_hint_names_cpu_env_only_when_missing():
@@ -114,6 +118,6 @@ def test_trainer_hint_names_cpu_env_only_when_missing():
   on_glibc = platform.libc_ver()[0] == "glibc"
   hint = logs.cpu_malloc_hint("cpu", {})
   assert (hint is not None and "source launch/cpu_env.sh" in hint) == on_glibc
-  tuned = run(["bash", "-c", "source launch/cpu_env.sh; echo $GLIBC_TUNABLES"]).stdout.strip()
+  tuned = _sourced_tunables(GLIBC_TUNABLES="")
   assert logs.cpu_malloc_hint("cpu", {"GLIBC_TUNABLES": tuned}) is None
   assert logs.cpu_malloc_hint("gpu", {}) is None
