@@ -6,7 +6,7 @@ Command (every arm of one grid, resumable; grids and arms in decay_jax/evals/stu
   (add --archive=docs/study_records to keep every finished arm's record in the repository)
 Hardware: 2 CPU cores (measured below); one GPU should take minutes for the whole grid (an
 estimate from 1.35 GFLOP per training image, not measured).
-Expected time (measured 2026-11-30/12-01, 2-core Xeon/EPYC, fp32): 80 min to 2 h per 30-epoch arm;
+Expected time (measured 2026-11-30/12-03, 2-core Xeon/EPYC, fp32): 80 min to 2 h per 30-epoch arm;
 the machine's speed differed between sessions (train step 68 or 50 images/s in ``bench``). An arm
 is ten in-training KNN passes of 67-80 s, a final evaluation of 2-2.5 min, and the training.
 Times per arm in docs/small_scale_study.md.
@@ -22,8 +22,9 @@ only with the cls token). At the official lr 7.5e-5: 22.65% / 29.75% / 33.95% / 
 last-block KNN, probe 26.60% (token mean) and 25.60% (cls), the worst arm; attn_only 0.6: 36.45%
 KNN, probe 46.05% (token mean) and 44.20% (cls); mlp_only 0.6: 33.80% KNN, probe 39.25% (token
 mean) and 38.10% (cls). At lr 1e-3 for 100 epochs (--grid=long; 232-355 min of training per arm on
-2 cores): last-block KNN 34.20% / 45.85% for alpha_min 0.6 / 1.0, best-block KNN 45.80% (block 6) /
-46.45% (block 10), official probe 42.70 / 56.10% (token mean) and 43.15 / 54.90% (cls).
+2 cores): last-block KNN 34.20% / 44.30% / 45.85% for alpha_min 0.6 / 0.8 / 1.0, best-block KNN
+45.80% (block 6) / 47.35% (block 9) / 46.45% (block 10), official probe 42.70 / 54.30 / 56.10%
+(token mean) and 43.15 / 53.30 / 54.90% (cls): 0.8 is level with 1.0, 0.6 behind at the last block.
 
 Data: ``cifar10_train10k.npz`` (the 10,000 images of CIFAR-10 ``data_batch_1``, JPEG-75 copies; see
 the README of ../shared/data). The split is fixed: ``train[:8000]`` trains the MAE and is the KNN
