@@ -14,9 +14,9 @@ Expected result (measured, docs/small_scale_study.md; one run per arm, +-3 point
 at lr 1e-3, 30 epochs, last-block KNN 29.90% / 31.45% / 37.30% / 40.30% / 42.80% for alpha_min
 0.6 / 0.7 / 0.8 / 0.9 / 1.0; official probe on the token mean 37.50 / 40.90 / 47.25 / 50.75 /
 52.70%, on the cls token 38.30 / 40.20 / 48.10 / 51.05 / 42.40% (alpha_min 0.8 and 0.9 beat 1.0
-only with the cls token). At the official lr 7.5e-5: 22.65% / 29.75% / 33.95% / 31.55% / 31.25%
-(0.6 / 0.7 / 0.8 / 0.9 / 1.0) on the last block, 31.65% (block 3) / 33.15% (block 7) / 33.95%
-(block 12) / 32.30% (block 9) / 32.40% (block 5) at the best; official probe on the token mean
+only with the cls token, and 1.0 with seed 1 gives 49.10% there). At the official lr 7.5e-5:
+22.65% / 29.75% / 33.95% / 31.55% / 31.25% (0.6 / 0.7 / 0.8 / 0.9 / 1.0) on the last block,
+31.65% (block 3) / 33.15% (block 7) / 33.95% (block 12) / 32.30% (block 9) / 32.40% (block 5) at the best; official probe on the token mean
 21.45 / 25.30 / 31.80 / 38.15 / 40.30%, standardised (official_std) - / 40.70 / 41.00 / 43.65 /
 46.05% (the baseline's from a second run of it). The control sqrt_half_both (lr 1e-3): 25.55%
 last-block KNN, probe 26.60% (token mean) and 25.60% (cls), the worst arm; attn_only 0.6: 36.45%
