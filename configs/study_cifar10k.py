@@ -10,20 +10,20 @@ Expected time (measured 2026-11-30/12-03, 2-core Xeon/EPYC, fp32): 80 min to 2 h
 the machine's speed differed between sessions (train step 68 or 50 images/s in ``bench``). An arm
 is ten in-training KNN passes of 67-80 s, a final evaluation of 2-2.5 min, and the training.
 Times per arm in docs/small_scale_study.md.
-Expected result (measured, docs/small_scale_study.md; one run per arm, +-3 points between runs):
-at lr 1e-3, 30 epochs, last-block KNN 29.90% / 31.45% / 37.30% / 40.30% / 42.80% for alpha_min
-0.6 / 0.7 / 0.8 / 0.9 / 1.0; official probe on the token mean 37.50 / 40.90 / 47.25 / 50.75 /
-52.70%, on the cls token 38.30 / 40.20 / 48.10 / 51.05 / 42.40% (alpha_min 0.8 and 0.9 beat 1.0
-only with the cls token, and 1.0 with seed 1 gives 49.10% there). At the official lr 7.5e-5:
-22.65% / 29.75% / 33.95% / 31.55% / 31.25% (0.6 / 0.7 / 0.8 / 0.9 / 1.0) on the last block,
-31.65% (block 3) / 33.15% (block 7) / 33.95% (block 12) / 32.30% (block 9) / 32.40% (block 5) at the best; official probe on the token mean
-21.45 / 25.30 / 31.80 / 38.15 / 40.30%, standardised (official_std) - / 40.70 / 41.00 / 43.65 /
-46.05% (the baseline's from a second run of it). The control sqrt_half_both (lr 1e-3): 25.55%
-last-block KNN, probe 26.60% (token mean) and 25.60% (cls), the worst arm; attn_only 0.6: 36.45%
-KNN, probe 46.05% (token mean) and 44.20% (cls); mlp_only 0.6: 33.80% KNN, probe 39.25% (token
-mean) and 38.10% (cls). At lr 1e-3 for 100 epochs (--grid=long; 232-355 min of training per arm on
-2 cores): last-block KNN 34.20% / 44.30% / 45.85% for alpha_min 0.6 / 0.8 / 1.0, best-block KNN
-45.80% (block 6) / 47.35% (block 9) / 46.45% (block 10), official probe 42.70 / 54.30 / 56.10%
+Expected result (measured, docs/small_scale_study.md; one run per arm, +-3 points between runs): at
+lr 1e-3, 30 epochs, last-block KNN 29.90% / 31.45% / 37.30% / 40.30% / 42.80% for alpha_min 0.6 /
+0.7 / 0.8 / 0.9 / 1.0; official probe on the token mean 37.50 / 40.90 / 47.25 / 50.75 / 52.70%, on
+the cls token 38.30 / 40.20 / 48.10 / 51.05 / 42.40% (alpha_min 0.8 and 0.9 beat 1.0 only with the
+cls token, and 1.0 with seed 1 gives 49.10% there). At the official lr 7.5e-5: 22.65% / 29.75% /
+33.95% / 31.55% / 31.25% (0.6 / 0.7 / 0.8 / 0.9 / 1.0) on the last block, 31.65% (block 3) / 33.15%
+(block 7) / 33.95% (block 12) / 32.30% (block 9) / 32.40% (block 5) at the best; official probe on
+the token mean 21.45 / 25.30 / 31.80 / 38.15 / 40.30%, standardised (official_std) - / 40.70 / 41.00
+/ 43.65 / 46.05% (the baseline's from a second run of it). The control sqrt_half_both (lr 1e-3):
+25.55% last-block KNN, probe 26.60% (token mean) and 25.60% (cls), the worst arm; attn_only 0.6:
+36.45% KNN, probe 46.05% (token mean) and 44.20% (cls); mlp_only 0.6: 33.80% KNN, probe 39.25%
+(token mean) and 38.10% (cls). At lr 1e-3 for 100 epochs (--grid=long; 232-355 min of training per
+arm on 2 cores): last-block KNN 34.20% / 44.30% / 45.85% for alpha_min 0.6 / 0.8 / 1.0, best-block
+KNN 45.80% (block 6) / 47.35% (block 9) / 46.45% (block 10), official probe 42.70 / 54.30 / 56.10%
 (token mean) and 43.15 / 53.30 / 54.90% (cls): 0.8 is level with 1.0, 0.6 behind at the last block.
 
 Data: ``cifar10_train10k.npz`` (the 10,000 images of CIFAR-10 ``data_batch_1``, JPEG-75 copies; see
