@@ -1,6 +1,6 @@
 """MAE ViT-B/16 with decayed identity shortcuts, as in the paper: alpha_min 0.6, 800 epochs.
 
-Command (ImageNet-1k must be prepared once with `tfds build imagenet2012`, see the README):
+Command (ImageNet-1k must be prepared once with `tfds build imagenet2012`, see docs/training.md, "Data"):
   python -m decay_jax.main --config=configs/mae_vit_b16.py --workdir=$WORKDIR
   (add --config.data.data_dir=$TFDS_DIR; on a pod use launch/tpu_pod.sh, on GPUs launch/slurm.sh)
 Hardware: written for 32-128 TPU/GPU chips; any device count that divides the batch works, and

@@ -5,8 +5,8 @@ large: the config turns on rematerialisation of the blocks and FSDP over 8 chips
 Command:
   python -m decay_jax.main --config=configs/mae_vit_h14.py --workdir=$WORKDIR
 Hardware: 64+ chips with >= 32 GB each (bfloat16 compute, remat 'dots', fsdp 8): XLA's estimate
-  is 20.0 GiB per device at 64 images per chip (`python -m decay_jax.memory
-  --config=configs/mae_vit_h14.py --devices=64`; README, "Does it fit").
+  is 20.0 GiB per device at 64 images per chip (`python -m decay_jax.cli.memory
+  --config=configs/mae_vit_h14.py --devices=64`; docs/performance.md, "Does it fit").
 Expected time: not measured by us; upstream MAE ViT-H/14 (plain residuals, 8-block decoder) took
   34.5 h on 128 TPU-v3 cores for 800 epochs.
 Expected result: none published for the decayed ViT-H.

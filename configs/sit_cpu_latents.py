@@ -1,14 +1,14 @@
 """SiT on VAE latents of a small image folder, sized for a laptop CPU: the latent pipeline end to end.
 
 It is ``configs/sit_cpu_mnist.py`` (same model width, optimiser, EMA and sampler) on the latent
-shards of ``python -m decay_jax.tools.extract_latents``: 64x64 images through a VAE with
+shards of ``python -m decay_jax.cli.extract_latents``: 64x64 images through a VAE with
 downsampling factor 8 give 8x8x4 latents, patch 2 (16 tokens), ADM flips drawn from the shards.
-Command (the README's "Latents, sampling and FID" section has the whole sequence):
-  python -m decay_jax.tools.extract_latents --images=$IMAGES --vae=$VAE --out=/tmp/latents \
+Command (docs/sit.md has the whole sequence):
+  python -m decay_jax.cli.extract_latents --images=$IMAGES --vae=$VAE --out=/tmp/latents \
       --image_size=64
   python -m decay_jax.main --config=configs/sit_cpu_latents.py --workdir=/tmp/sit_latents \
       --config.data.dataset=latents:/tmp/latents
-  python -m decay_jax.sample --workdir=/tmp/sit_latents --num=64 --vae=$VAE
+  python -m decay_jax.cli.sample --workdir=/tmp/sit_latents --num=64 --vae=$VAE
 Hardware: 2 CPU cores. Expected time: a few seconds per 10 steps on 2 free cores (the test runs
   3 steps); 2000 steps were not timed. Expected result: none measured; with the random VAE of the
   pipeline test the FID means nothing; real use extracts with sd-vae-ft-ema.

@@ -2,9 +2,9 @@
 
 Command:
   python -m decay_jax.main --config=configs/sit_cpu_mnist.py --workdir=/tmp/sit_mnist
-  python -m decay_jax.sample --workdir=/tmp/sit_mnist --num=64
+  python -m decay_jax.cli.sample --workdir=/tmp/sit_mnist --num=64
 Hardware: 2 CPU cores. Expected time: about 85 min (1.6 steps/s on idle cores), sampling 14 s.
-Expected result (measured, README SiT section): final loss 0.176; about 60 of 64 samples are
+Expected result (measured, docs/sit.md): final loss 0.176; about 60 of 64 samples are
 clearly the requested digit.
 
 Images are scaled to [-1, 1] (the official Normalize(0.5, 0.5)), no crop and no flip (a flipped

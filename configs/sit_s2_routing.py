@@ -1,12 +1,12 @@
-"""The mirror-routing ablation on SiT-S/2 (shared/spec/mirror_routing.md section 9), one row per
+"""The mirror-routing ablation on SiT-S/2 (docs/routing.md 9), one row per
 config string: batch 256, 400K steps, ImageNet 256 latents, AdamW 1e-4, EMA 0.9999 (configs/sit_s2.py).
 
 Command (ROW is one of the rows below; without ':ROW' the row is fused_mirror):
   python -m decay_jax.main --config=configs/sit_s2_routing.py:ROW --workdir=$WORKDIR/ROW \
       --config.data.dataset=latents:$LATENTS
-  python -m decay_jax.sample --workdir=$WORKDIR/ROW --num=50000 --mode=ode --cfg=1.0
+  python -m decay_jax.cli.sample --workdir=$WORKDIR/ROW --num=50000 --mode=ode --cfg=1.0
 Hardware: one to eight GPUs (bfloat16 compute), like configs/sit_s2.py.
-Expected time: not measured by us; routing adds < 0.5% FLOPs to SiT-S/2 (README, "Residual routing").
+Expected time: not measured by us; routing adds < 0.5% FLOPs to SiT-S/2 (docs/routing.md).
 Expected result: the FID-50K at 400K steps the paper summary reports for DiT-S/2 (DDPM, so compare
   the differences between rows, not the values: this is SiT's linear flow matching):
 

@@ -1,6 +1,11 @@
 """Console logging: keep INFO for our own progress, drop the library chatter."""
 
 import logging
+import numbers
+import os
+import platform
+
+from absl import logging as absl_logging
 
 _NOISY = ("/orbax/", "/jax/_src/", "/tensorflow/", "/tensorflow_datasets/", "/absl/")
 
@@ -16,7 +21,6 @@ class _QuietLibraries(logging.Filter):
 
 def quiet_libraries() -> None:
   """Installs the filter on the absl handler and the root logger's handlers."""
-  from absl import logging as absl_logging
   handlers = [absl_logging.get_absl_handler()] + logging.getLogger().handlers
   for h in handlers:
     if not any(isinstance(f, _QuietLibraries) for f in h.filters):
@@ -29,8 +33,6 @@ def cpu_malloc_hint(backend: str, environ=None) -> str | None:
   glibc unmaps XLA:CPU's per-step scratch block on free and faults it in again next step
   (launch/cpu_env.sh has the numbers); the launch scripts set the fix, a bare `python -m` does not.
   """
-  import os
-  import platform
   environ = os.environ if environ is None else environ
   if backend != "cpu" or platform.libc_ver()[0] != "glibc":
     return None
@@ -38,3 +40,25 @@ def cpu_malloc_hint(backend: str, environ=None) -> str | None:
     return None
   return ("CPU run without launch/cpu_env.sh: glibc unmaps and re-faults XLA's scratch memory "
           "every step (kernel time); `source launch/cpu_env.sh` before python avoids it")
+
+
+# The final metrics a results line shows first, when present.
+HEADLINE = ("step", "loss", "knn/top1", "knn/top5", "preempted")
+
+
+def compact_results(results: dict, limit: int = 8, width: int = 170) -> str:
+  """A run's final metrics on one short line: the ``HEADLINE`` keys first, then the others
+  without per-block curves (``.../block_NN``), at most ``limit`` entries and about ``width``
+  characters, numbers at 4 significant digits; the rest is counted (results.json has it all)."""
+  first = [k for k in HEADLINE if k in results]
+  rest = [k for k in results if k not in first and "/block_" not in k]
+  items = []
+  for k in first + rest:
+    v = results[k]
+    real = isinstance(v, numbers.Real) and not isinstance(v, numbers.Integral)
+    item = (f"{k} {v:.4g}" if real else f"{k} {v}")[:width]
+    if len(items) == limit or (items and sum(len(i) + 2 for i in items) + len(item) > width):
+      break
+    items.append(item)
+  more = len(results) - len(items)
+  return ", ".join(items) + (f" (+{more} more in results.json)" if more > 0 else "")

@@ -1,43 +1,6 @@
-"""Train MAE or SiT with decayed identity shortcuts.
+"""``python -m decay_jax.main``: the training command, kept under its first name (see ``decay_jax.cli.train``)."""
 
-    python -m decay_jax.main --config=configs/mae_vit_b16.py --workdir=DIR \
-        --config.model.alpha_min=0.7 --config.batch_size=8192
-
-Every config field can be overridden on the command line; the config is locked, so a misspelt
-field is an error. Rerunning the same command resumes from the newest checkpoint in ``--workdir``.
-On several hosts set ``DECAY_JAX_DISTRIBUTED=1`` (the launch/ scripts do) so that
-``jax.distributed.initialize()`` runs first.
-"""
-
-import os
-import sys
-
-from absl import app, flags, logging
-from ml_collections import config_flags
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file in configs/.",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and pictures.")
-flags.mark_flags_as_required(["config", "workdir"])
-
-
-def main(argv):
-  del argv
-  from decay_jax import logs
-  logs.quiet_libraries()
-  import jax
-  if os.environ.get("DECAY_JAX_DISTRIBUTED") == "1":
-    jax.distributed.initialize()
-  from decay_jax.train import trainer
-  try:
-    trainer.check_config(_CONFIG.value)
-  except ValueError as e:  # bad config: one line, no traceback, nothing compiled
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  results = trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  logging.info("results: %s", results)
-  return 0
-
+from decay_jax.cli.train import run
 
 if __name__ == "__main__":
-  app.run(main)
+  run()

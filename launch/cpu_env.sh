@@ -1,4 +1,4 @@
-# Sourced by the CPU launch scripts (and by hand before `python -m decay_jax.study` or `main` on
+# Sourced by the CPU launch scripts (and by hand before `python -m research.small_scale_study.run` or `main` on
 # CPU): keeps glibc from unmapping XLA:CPU's per-step scratch memory. Usage: source launch/cpu_env.sh
 #
 # Why: XLA:CPU allocates all temporaries of one execution as a single block (2.06 GB for the study's
@@ -16,3 +16,6 @@ case "${GLIBC_TUNABLES:-}" in
   *) export GLIBC_TUNABLES="${GLIBC_TUNABLES:+${GLIBC_TUNABLES}:}${_DECAY_JAX_MALLOC}" ;;
 esac
 unset _DECAY_JAX_MALLOC
+# One OpenBLAS thread: jax's CPU SVD/eigh (the rank evaluator) call scipy's OpenBLAS, whose default
+# of one thread per core fights XLA's thread pool (see decay_jax/cli/__init__.py).
+export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"

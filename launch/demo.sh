@@ -9,5 +9,5 @@ export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
 [ "$JAX_PLATFORMS" != cpu ] || source launch/cpu_env.sh
 WORKDIR=${1:-workdir/demo}
 shift || true
-exec .venv/bin/python -m decay_jax.compare --config=configs/mae_cpu_mnist.py \
+exec .venv/bin/python -m decay_jax.cli.compare --config=configs/mae_cpu_mnist.py \
   --workdir="$WORKDIR" --alphas=0.6,1.0 "$@"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU benchmark of the train step: SiT-XL/2 and MAE ViT-L/16 in bfloat16 with cuDNN attention on
 # every GPU of this host; prints images/s and MFU against the device's dense bf16 peak
-# (decay_jax/flops.py; unknown GPUs get no MFU).
+# (decay_jax/models/flops.py; unknown GPUs get no MFU).
 #   bash launch/gpu_bench.sh [OUT.jsonl]        # default OUT: /tmp/decay_jax_gpu_bench.jsonl
 # Installs the pinned JAX's CUDA build (JAX_EXTRA=cuda12, or cuda13) into .venv unless JAX already
 # sees a GPU (offline machines with a ready .venv install nothing). Per-device batches:
@@ -26,8 +26,8 @@ esac
 COMMON=(--steps="$STEPS" --out="$OUT" --config.model.dtype=bfloat16
         --config.model.attention_impl="$ATTENTION" --config.mesh.data=-1
         --config.mesh.fsdp="${FSDP:-1}" ${REMAT:+--remat="$REMAT"} "${TINY[@]}")
-SIT=(-m decay_jax.bench --config=configs/sit_xl2.py --batch_per_device="${SIT_BATCH:-64}" "${COMMON[@]}")
-MAE=(-m decay_jax.bench --config=configs/mae_vit_l16.py --batch_per_device="${MAE_BATCH:-128}" "${COMMON[@]}")
+SIT=(-m decay_jax.cli.bench --config=configs/sit_xl2.py --batch_per_device="${SIT_BATCH:-64}" "${COMMON[@]}")
+MAE=(-m decay_jax.cli.bench --config=configs/mae_vit_l16.py --batch_per_device="${MAE_BATCH:-128}" "${COMMON[@]}")
 if [ "${DRY_RUN:-0}" = 1 ]; then
   printf '%q ' "$PY" "${SIT[@]}"; echo
   printf '%q ' "$PY" "${MAE[@]}"; echo

@@ -5,7 +5,7 @@
 # The repository is copied to ~/decay-jax on each worker; each worker installs jax[tpu] and runs
 # launch/local.sh with DECAY_JAX_DISTRIBUTED=1 (jax.distributed.initialize() finds the slice by
 # itself on TPU VMs). WORKDIR must be visible to all hosts (a gs:// path or a shared filesystem).
-# The TFDS data must be prepared once (see the README) and readable by all hosts (data.data_dir).
+# The TFDS data must be prepared once (see docs/training.md) and readable by all hosts (data.data_dir).
 # DRY_RUN=1 prints the gcloud commands instead of running them.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import torch_reference as ref
-from decay_jax import checkpoint, convert
+from decay_jax.train import checkpoint
+from decay_jax.io import convert
 from decay_jax.models import mae as mae_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +24,7 @@ MAE_KW = dict(img_size=16, patch_size=4, in_chans=3, embed_dim=32, depth=4, num_
 
 
 def cli(*args):
-  return subprocess.run([sys.executable, "-m", "decay_jax.convert", *args], cwd=REPO,
+  return subprocess.run([sys.executable, "-m", "decay_jax.io.convert", *args], cwd=REPO,
                         env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
                         timeout=180)
 

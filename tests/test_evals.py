@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decay_jax import layers
+from decay_jax.models import layers
 from decay_jax.evals import branches, features, knn, layerwise, linear_probe as lp, rank
 from decay_jax.models import mae
 

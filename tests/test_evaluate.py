@@ -1,5 +1,5 @@
 """End to end: train a tiny MAE (rank and branch ratios logged during training), convert-style save
-of the same weights, then `python -m decay_jax.evaluate` on both: JSON, Markdown report, plots."""
+of the same weights, then `python -m decay_jax.cli.evaluate` on both: JSON, Markdown report, plots."""
 
 import json
 import os
@@ -9,9 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-from decay_jax import checkpoint as ckpt_lib
+from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.evals import suite
 from decay_jax import sharding as shd
+from decay_jax.evals import registry
 from decay_jax.train import trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,7 +57,7 @@ def trained(tmp_path_factory):
   cfg_path = root / "tiny_eval.py"
   cfg_path.write_text(CONFIG.format(demo=os.path.join(REPO, "configs", "mae_cpu_mnist.py")))
   workdir = str(root / "run")
-  res = trainer.train_and_evaluate(load_config(str(cfg_path)), workdir)
+  res = trainer.train_and_evaluate(load_config(str(cfg_path)), workdir, evaluators=registry.build)
   return root, str(cfg_path), workdir, res
 
 
@@ -78,11 +79,11 @@ def test_report_on_run_and_converted_checkpoint(trained):
   assert step == 4
   model = suite.run_model(ckpt_lib.run_config(workdir, task="mae"), params)
   converted = str(root / "converted")
-  ckpt_lib.save_params(converted, params, model)  # what `python -m decay_jax.convert` writes
+  ckpt_lib.save_params(converted, params, model)  # what `python -m decay_jax.io.convert` writes
   out = str(root / "report")
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
   proc = subprocess.run(
-      [sys.executable, "-m", "decay_jax.evaluate", f"--workdir={workdir}",
+      [sys.executable, "-m", "decay_jax.cli.evaluate", f"--workdir={workdir}",
        f"--checkpoint={converted}", "--names=run,converted", f"--config={cfg_path}", f"--out={out}"],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -116,7 +117,7 @@ def test_report_on_run_and_converted_checkpoint(trained):
 
 
 def test_bad_flags_fail_with_one_line(tmp_path):
-  proc = subprocess.run([sys.executable, "-m", "decay_jax.evaluate", f"--checkpoint={tmp_path}"],
+  proc = subprocess.run([sys.executable, "-m", "decay_jax.cli.evaluate", f"--checkpoint={tmp_path}"],
                         cwd=REPO, capture_output=True, text=True, timeout=120,
                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert proc.returncode == 2

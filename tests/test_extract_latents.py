@@ -2,7 +2,7 @@
 pipeline on a small image folder: extract -> train the CPU latent SiT -> sample + VAE decode -> FID.
 
 The VAE and the Inception carry random weights here (no downloads); real use converts
-sd-vae-ft-ema and pytorch-fid's Inception weights with ``decay_jax.convert_external``.
+sd-vae-ft-ema and pytorch-fid's Inception weights with ``decay_jax.io.convert_external``.
 """
 
 import json
@@ -18,10 +18,13 @@ import torch
 from PIL import Image
 
 import torch_reference_external as ref
-from decay_jax import checkpoint, convert_external as ce, fid
+from decay_jax.train import checkpoint
+from decay_jax.io import convert_external as ce
+from decay_jax.cli import fid
 from decay_jax.data import pipeline
 from decay_jax.evals import generation as gen
-from decay_jax.tools import extract_latents as ex
+from decay_jax.cli import extract_latents as ex
+from decay_jax.evals import registry
 from decay_jax.train import trainer
 from testing_configs import REPO, load_config, override
 
@@ -111,10 +114,10 @@ def test_pipeline_extract_train_sample_fid(folder, tmp_path):
       "data.dataset": f"latents:{latents}", "model.preset": "micro/2", "batch_size": 8,
       "num_train_steps": 3, "log_every_steps": 1, "picture_every_steps": 0,
       "checkpoint.every_steps": 100, "checkpoint.async_save": False, "mesh.data": 1})
-  res = trainer.train_and_evaluate(c, str(work))
+  res = trainer.train_and_evaluate(c, str(work), evaluators=registry.build)
   assert res["step"] == 3 and np.isfinite(res["loss"])
 
-  p = subprocess.run([sys.executable, "-m", "decay_jax.sample", f"--workdir={work}", "--num=6",
+  p = subprocess.run([sys.executable, "-m", "decay_jax.cli.sample", f"--workdir={work}", "--num=6",
                       "--batch_size=4", "--steps=3", "--method=euler", f"--vae={folder / 'vae'}",
                       f"--out={tmp_path / 'samples'}"], cwd=REPO, capture_output=True, text=True,
                      env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)

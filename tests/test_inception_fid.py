@@ -1,6 +1,6 @@
 """FID Inception parity with pytorch-fid's network (float32, random weights), the resize, and the
 metric maths: Frechet distance against scipy's sqrtm formula, FID 0 for identical sets, Inception
-Score on known distributions, statistics files and the ``decay_jax.fid`` command."""
+Score on known distributions, statistics files and the ``decay_jax.cli.fid`` command."""
 
 import json
 
@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 import torch_reference_external as ref
 from parity import nhwc
-from decay_jax import convert, convert_external as ce, fid
+from decay_jax.io import convert, convert_external as ce
+from decay_jax.cli import fid
 from decay_jax.evals import generation as gen
 from decay_jax.models import inception as inception_lib
 

@@ -56,7 +56,7 @@ def test_gpu_bench_dry_run_runs_sit_xl2_and_mae_vit_l_in_bf16_with_cudnn():
   assert p.returncode == 0, p.stderr
   sit, mae = p.stdout.strip().splitlines()
   for line in (sit, mae):
-    assert line.startswith(".venv/bin/python -m decay_jax.bench ")
+    assert line.startswith(".venv/bin/python -m decay_jax.cli.bench ")
     assert "--config.model.dtype=bfloat16 --config.model.attention_impl=cudnn" in line
     assert "--steps=20 --out=/tmp/out.jsonl" in line and "micro" not in line
   assert "--config=configs/sit_xl2.py --batch_per_device=64" in sit

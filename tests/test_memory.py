@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from decay_jax import memory
+from decay_jax.cli import memory
 from test_train import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,7 +60,7 @@ def test_command_line_rejects_bad_values_in_one_line():
                                     "device count 8"),
                      (["--remat=some"], "error: --remat=some is not allowed; choose from none, "
                                         "full, dots")):
-    p = subprocess.run([sys.executable, "-m", "decay_jax.memory", "--task=sit",
+    p = subprocess.run([sys.executable, "-m", "decay_jax.cli.memory", "--task=sit",
                         "--preset=micro/4", "--devices=8"] + args, cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == line, p.stderr
@@ -71,7 +71,7 @@ def test_bench_rejects_bad_model_flags_in_one_line():
   for args, line in ((["--remat=some"], "error: model.remat_policy='some' is not allowed; "
                                         "choose one of 'none', 'full', 'dots'"),
                      (["--dtype=float8"], "error: model.dtype='float8' is not allowed")):
-    p = subprocess.run([sys.executable, "-m", "decay_jax.bench", "--task=sit",
+    p = subprocess.run([sys.executable, "-m", "decay_jax.cli.bench", "--task=sit",
                         "--preset=micro/4", "--compile_only"] + args, cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith(line), p.stderr

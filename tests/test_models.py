@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decay_jax import schedules
+from decay_jax.models import schedules
 from decay_jax.models import blocks
 from decay_jax.models import mae as mae_lib
 from decay_jax.models import sit as sit_lib

@@ -37,12 +37,13 @@ def configs():
 
 def train(name, workdir, stop=None):
   """The real trainer; with ``stop`` it is 'preempted' after that step (all hosts agree on it)."""
+  from decay_jax.evals import registry
   from decay_jax.train import trainer
   original = trainer._Preemption.reached
   if stop is not None:  # the real multi-host sync point is still asked at every other step
     trainer._Preemption.reached = lambda self, step: step == stop or original(self, step)
   try:
-    return trainer.train_and_evaluate(configs()[name], workdir)
+    return trainer.train_and_evaluate(configs()[name], workdir, evaluators=registry.build)
   finally:
     trainer._Preemption.reached = original
 

@@ -13,7 +13,7 @@ import torch
 
 import torch_reference as ref
 from parity import assert_grads_match, nhwc
-from decay_jax import convert
+from decay_jax.io import convert
 from decay_jax.models import mae as mae_lib
 
 ATOL = 1e-5  # forward outputs, absolute (values are O(1))

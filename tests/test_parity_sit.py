@@ -9,7 +9,7 @@ import torch
 
 import torch_reference as ref
 from parity import assert_grads_match, nhwc
-from decay_jax import convert
+from decay_jax.io import convert
 from decay_jax.models import sit as sit_lib
 
 ATOL = 1e-5  # outputs, absolute (values are O(1))

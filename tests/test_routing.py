@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decay_jax import flops
+from decay_jax.models import factory
+from decay_jax.models import flops
 from decay_jax.models import routing, sit as sit_lib
 from decay_jax.models.blocks import SiTBlock
 from decay_jax.train import config as config_lib
@@ -124,13 +125,13 @@ def test_parameter_counts_and_flops_of_the_spec():
     assert routing.extra_params(v, 28, 1152) == n
   for v, n in SPEC_S2.items():  # measured on the abstract SiT-S/2 against the plain one
     m = sit_lib.sit("S/2", alpha_min=1.0, residual_routing=v)
-    res = routing.overhead(m)
+    res = flops.overhead(m)
     assert res["routing_params"] == n == routing.extra_params(v, 12, 384), v
     assert res["routing_flops_pct"] < (30 if v in ("none", "static_skip") else 1.1), v
     if v == "mirror":  # 12 operators, 2 candidates, 2 MACs each per token and channel, 3x forward
       assert res["routing_gflops_per_example"] == round(3 * 2 * 12 * 2 * 2 * 256 * 384 / 1e9, 4)
   assert res["plain_params"] == 32_865_056  # spec 7: 32.87M (SiT-S/2 without long skips)
-  # the default model's FLOPs are unchanged (README: 740.3 GFLOP per SiT-XL/2 training image)
+  # the default model's FLOPs are unchanged (docs/performance.md: 740.3 GFLOP per SiT-XL/2 training image)
   assert 3 * flops.sit_forward_flops(sit_lib.sit("XL/2")) / 1e9 == pytest.approx(740.2666, abs=1e-3)
 
 
@@ -236,7 +237,7 @@ def test_every_ablation_row_loads_validates_and_builds(row):
   for name in ("sit_s2_routing", "sit_cpu_mnist_routing"):
     c = load_config(name, row)
     config_lib.validate(c)
-    model = config_lib.build_model(c, dict(info, image_size=c.data.image_size))
+    model = factory.build_model(c, dict(info, image_size=c.data.image_size))
     for k, v in c.model.items():
       if k != "preset":
         assert getattr(model, k) == (v or None if k == "attention_impl" else v), k

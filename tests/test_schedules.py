@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torch_reference as ref
-from decay_jax import schedules
+from decay_jax.models import schedules
 
 DEPTHS = (12, 24, 28, 32)
 ALPHA_MINS = (0.6, 0.7, 0.8)

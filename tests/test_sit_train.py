@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from decay_jax import checkpoint, samplers
+from decay_jax.train import checkpoint
+from decay_jax.diffusion import samplers
 from decay_jax.train import config as config_lib
 from decay_jax.train import optim, step as step_lib, trainer
 from testing_configs import load_config, override
@@ -126,7 +127,7 @@ def test_sample_command(tmp_path):
   outs = []
   for batch in ("8", "16"):
     out = tmp_path / f"s{batch}"
-    p = subprocess.run([sys.executable, "-m", "decay_jax.sample", f"--workdir={tmp_path}",
+    p = subprocess.run([sys.executable, "-m", "decay_jax.cli.sample", f"--workdir={tmp_path}",
                         "--num=12", f"--batch_size={batch}", "--steps=3", "--method=euler",
                         f"--out={out}"], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=300)
@@ -136,7 +137,7 @@ def test_sample_command(tmp_path):
     assert os.path.getsize(out / "grid.png") > 1000
     outs.append(d["arr_0"])
   np.testing.assert_array_equal(outs[0], outs[1])  # per-example seeds: batch size does not matter
-  p = subprocess.run([sys.executable, "-m", "decay_jax.sample", f"--workdir={tmp_path}",
+  p = subprocess.run([sys.executable, "-m", "decay_jax.cli.sample", f"--workdir={tmp_path}",
                       "--method=rk4"], cwd=REPO, env=env, capture_output=True, text=True,
                      timeout=300)
   assert p.returncode == 2 and "method='rk4' is not allowed" in p.stderr

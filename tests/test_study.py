@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from decay_jax import sharding as shd
-from decay_jax.evals import study
+from research.small_scale_study import study
 
 from testing_configs import REPO, load_config, override
 
 
 def tiny_base(npz_path: str):
   """The study config shrunk to the micro model on 16-pixel images, 160 to train, 64 to test."""
-  c = load_config("study_cifar10k")
+  c = load_config("research/small_scale_study/config.py")
   override(c, **{
       "model.preset": "micro/4", "data.dataset": f"npz:{npz_path}", "data.image_size": 16,
       "data.train_split": "train[:160]", "data.eval_split": "train[160:]", "batch_size": 16,
@@ -55,7 +55,7 @@ def studied(tmp_path_factory):
 
 
 def test_grid_names_and_overrides():
-  base = load_config("study_cifar10k")
+  base = load_config("research/small_scale_study/config.py")
   arms = study.grid_arms(base, ["all"], 100.0)
   names = [a["name"] for a in arms]
   assert len(names) == len(set(names)) == 5 + 5 + 3 + 3
@@ -148,7 +148,7 @@ def test_table_plots_and_resume(studied):
 
 def test_bad_grid_is_one_line(tmp_path):
   proc = subprocess.run(
-      [sys.executable, "-m", "decay_jax.study", "--config=configs/study_cifar10k.py",
+      [sys.executable, "-m", "research.small_scale_study.run", "--config=research/small_scale_study/config.py",
        f"--workdir={tmp_path}", "--grid=alpha", "--only=a0.5_lr0.001_e30", "--list"],
       cwd=REPO, capture_output=True, text=True, timeout=120, env=dict(os.environ,
                                                                       JAX_PLATFORMS="cpu"))

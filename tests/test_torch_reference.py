@@ -1,5 +1,5 @@
 """Checks of the PyTorch reference (tests/torch_reference.py) against numbers in the spec
-(/work/shared/spec/official_facts.md). CPU only, fast."""
+(docs/official_code.md). CPU only, fast."""
 import math
 import os
 import sys

@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from decay_jax import checkpoint as ckpt_lib
+from decay_jax.models import factory
+from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax import sharding as shd
 from decay_jax.train import config as config_lib
+from decay_jax.evals import registry
 from decay_jax.train import optim, step as step_lib, trainer
 from testing_configs import load_config, override
 
@@ -61,7 +63,7 @@ def test_one_real_step_on_tfds_mock_data(tmp_path):
                      "evals.knn.enabled": True, "evals.knn.max_train_examples": 32,
                      "evals.knn.max_eval_examples": 16, "evals.knn.batch_size": 16})
   with tfds.testing.mock_data(num_examples=64):
-    res = trainer.train_and_evaluate(c, str(tmp_path))
+    res = trainer.train_and_evaluate(c, str(tmp_path), evaluators=registry.build)
   assert res["step"] == 1 and np.isfinite(res["loss"]) and res["loss"] > 0
   assert 0.0 <= res["knn/top1"] <= 1.0
   assert os.path.exists(tmp_path / "pictures" / "step_0000001.png")
@@ -73,7 +75,7 @@ def test_loss_falls_on_embedded_data(tmp_path):
   # Plain pixel loss: with norm-pix, MNIST's blank patches have no target and the curve is noisy.
   c = tiny_config(num_train_steps=40, log_every_steps=1, batch_size=32,
                   **{"checkpoint.every_steps": 40, "model.norm_pix_loss": False})
-  trainer.train_and_evaluate(c, str(tmp_path))
+  trainer.train_and_evaluate(c, str(tmp_path), evaluators=registry.build)
   from tensorboard.backend.event_processing import event_accumulator
   ev = event_accumulator.EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
   ev.Reload()
@@ -94,8 +96,8 @@ def test_device_count_does_not_change_training(tmp_path, data, fsdp):
   one = tiny_config(num_train_steps=3, **{"checkpoint.every_steps": 3})
   many = tiny_config(num_train_steps=3, **{"checkpoint.every_steps": 3, "mesh.data": data,
                                            "mesh.fsdp": fsdp})
-  r1 = trainer.train_and_evaluate(one, str(tmp_path / "one"))
-  r8 = trainer.train_and_evaluate(many, str(tmp_path / "many"))
+  r1 = trainer.train_and_evaluate(one, str(tmp_path / "one"), evaluators=registry.build)
+  r8 = trainer.train_and_evaluate(many, str(tmp_path / "many"), evaluators=registry.build)
   # float32 sums are reduced in a different order across devices: agree to ~1e-6 relative.
   np.testing.assert_allclose(r8["loss"], r1["loss"], rtol=1e-5)
   p1, _ = restore_params(str(tmp_path / "one"), one)
@@ -105,13 +107,13 @@ def test_device_count_does_not_change_training(tmp_path, data, fsdp):
 
 def test_resume_after_preemption_equals_uninterrupted(tmp_path, monkeypatch):
   c = tiny_config(num_train_steps=6, **{"checkpoint.every_steps": 100})
-  trainer.train_and_evaluate(c, str(tmp_path / "straight"))
+  trainer.train_and_evaluate(c, str(tmp_path / "straight"), evaluators=registry.build)
   original = trainer._Preemption.reached
   monkeypatch.setattr(trainer._Preemption, "reached", lambda self, step: step == 3)
-  res = trainer.train_and_evaluate(c, str(tmp_path / "resumed"))
+  res = trainer.train_and_evaluate(c, str(tmp_path / "resumed"), evaluators=registry.build)
   assert res["preempted"] and res["step"] == 3
   monkeypatch.setattr(trainer._Preemption, "reached", original)
-  res = trainer.train_and_evaluate(c, str(tmp_path / "resumed"))
+  res = trainer.train_and_evaluate(c, str(tmp_path / "resumed"), evaluators=registry.build)
   assert not res["preempted"] and res["step"] == 6
   a, meta_a = restore_params(str(tmp_path / "straight"), c)
   b, meta_b = restore_params(str(tmp_path / "resumed"), c)
@@ -122,14 +124,15 @@ def test_resume_after_preemption_equals_uninterrupted(tmp_path, monkeypatch):
 def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path):
   c = tiny_config(num_train_steps=30, **{"optim.lr": 1e12, "checkpoint.every_steps": 1})
   with pytest.raises(trainer.NonFiniteLossError, match="non-finite loss/gradient at step"):
-    trainer.train_and_evaluate(c, str(tmp_path))
+    trainer.train_and_evaluate(c, str(tmp_path), evaluators=registry.build)
   state, meta = restore_params(str(tmp_path), c)
   assert all(np.isfinite(l).all() for l in jax.tree_util.tree_leaves(state["params"]))
   assert meta["step"] >= 1
 
 
 def config_files():
-  return sorted(glob.glob(os.path.join(REPO, "configs", "*.py")))
+  return sorted(glob.glob(os.path.join(REPO, "configs", "*.py"))
+                + glob.glob(os.path.join(REPO, "research", "*", "config.py")))
 
 
 @pytest.mark.parametrize("path", config_files(), ids=os.path.basename)
@@ -142,7 +145,7 @@ def test_every_config_builds_and_initialises_abstractly(path):
   config_lib.validate(c)
   channels = 1 if "mnist" in path else 4 if c.data.dataset.startswith("latents:") else 3
   info = {"image_size": c.data.image_size, "channels": channels, "num_train": 1_281_167}
-  model = config_lib.build_model(c, info)
+  model = factory.build_model(c, info)
   mesh = shd.make_mesh(c.mesh.data, c.mesh.fsdp)
   shd.check_batch(c.batch_size, mesh, c.accum_steps)
   task = trainer.make_task(c, model, info)
@@ -156,7 +159,7 @@ def test_every_config_builds_and_initialises_abstractly(path):
 
 @pytest.mark.parametrize("overrides,match", [
     ({"data.image_size": 18}, "data.image_size=18 is not allowed; it must be a multiple of the patch size 4"),
-    ({"model.mask_ratio": 1.0}, r"model.mask_ratio=1.0 is not allowed; it must be in \(0, 1\)"),
+    ({"model.mask_ratio": 1.0}, r"model.mask_ratio=1.0 is not allowed; it must be in \[0, 1\)"),
     ({"model.alpha_min": 1.2}, r"model.alpha_min=1.2 is not allowed; it must be a number in \(0, 1\]"),
     ({"batch_size": 12, "mesh.data": 8}, "batch_size=12 is not allowed; it must be divisible by the device count 8"),
     ({"data.dataset": "no_such_dataset"}, "dataset='no_such_dataset'"),

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decay_jax import samplers
-from decay_jax import transport as T
+from decay_jax.diffusion import samplers
+from decay_jax.diffusion import transport as T
 
 N = 4096
 SHAPE = (2, 2, 2)

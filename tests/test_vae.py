@@ -15,7 +15,8 @@ import torch
 from diffusers import AutoencoderKL
 
 from parity import nhwc
-from decay_jax import checkpoint, convert, convert_external as ce
+from decay_jax.train import checkpoint
+from decay_jax.io import convert, convert_external as ce
 from decay_jax.models import vae as vae_lib
 
 ATOL = 2e-5  # encoder moments and decoded pixels, absolute (values are O(1)); measured ~5e-6

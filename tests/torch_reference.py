@@ -1,6 +1,6 @@
 """PyTorch reference implementation of the official decayed-identity-shortcut models.
 
-Written from the fact sheet ``/work/shared/spec/official_facts.md`` (section numbers below refer to
+Written from the fact sheet ``docs/official_code.md`` (section numbers below refer to
 it). It is used only as ground truth by the JAX/Flax parity tests; it reproduces the official
 ``MAE/models_mae.py`` (MaskedAutoencoderViT) and ``SiT/models.py`` (SiT) state_dict layouts,
 initialisation and fp32 forward math, with flash-attention replaced by explicit attention

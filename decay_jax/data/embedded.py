@@ -27,8 +27,12 @@ from typing import Dict, Optional, Sequence
 
 import numpy as np
 
-EMBEDDED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "embedded")
-EMBEDDED_MNIST = os.path.join(EMBEDDED_DIR, "mnist_10k.npz")
+from decay_jax.data import config
+
+# The paths are defined in config (dataset='embedded_mnist' reads the file without importing this
+# command-line module, so `python -m decay_jax.data.embedded` finds it not yet imported).
+EMBEDDED_DIR = config.EMBEDDED_DIR
+EMBEDDED_MNIST = config.EMBEDDED_NPZ
 EMBEDDED_README = os.path.join(EMBEDDED_DIR, "README.md")
 NUM_TRAIN = 10_000
 NUM_TEST = 2_000

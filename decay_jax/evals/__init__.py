@@ -1,0 +1,1 @@
+"""Representation evaluators (KNN, linear probes, per-block probes, rank), the suite, reports and generation metrics."""

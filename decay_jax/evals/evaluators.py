@@ -1,13 +1,15 @@
 """Representation evaluators built from ``config.evals.<name>``: linear probes, per-block probes,
-effective rank and branch ratios (KNN lives in ``evals.runner``).
+effective rank and branch ratios and weighted KNN.
 
 Each evaluator has ``every_steps`` (0 = only at the end of training), ``evaluate(params) -> dict``
-(JSON-able sections for the report of ``decay_jax.evaluate``) and ``run(params) -> dict`` (flat
-scalars for TensorBoard). The same objects run inside training and on any checkpoint, so the
-numbers of a report and of a training run are computed by the same code.
+(JSON-able sections for the report of ``decay_jax.cli.evaluate``), ``run(params) -> dict`` (flat
+scalars for TensorBoard) and ``summary(scalars) -> str`` (that output as one console line under 200
+characters; the full dictionary goes to TensorBoard and metrics.jsonl only). The same objects run
+inside training and on any checkpoint, so the numbers of a report and of a training run are
+computed by the same code.
 
 Evaluators that pool block outputs also have ``requests()`` (the images, feature choices and blocks
-they will pool) and a ``cache`` attribute: ``decay_jax.evaluate`` gives all evaluators of a model
+they will pool) and a ``cache`` attribute: ``decay_jax.cli.evaluate`` gives all evaluators of a model
 one ``features.FeatureCache`` so that each image set goes through the encoder once.
 """
 
@@ -24,7 +26,8 @@ import numpy as np
 
 from decay_jax import sharding as shd
 from decay_jax.data import pipeline
-from decay_jax.evals import branches, features, layerwise, linear_probe, rank
+from decay_jax import validate
+from decay_jax.evals import branches, features, knn, layerwise, linear_probe, rank
 
 PROTOCOLS = ("official", "official_std", "mae")
 
@@ -36,7 +39,7 @@ def load_split(data_cfg, split: str, max_examples: int) -> Dict[str, np.ndarray]
   evaluators that ask for the same data (KNN, linear and per-block probes read the same training
   images once). The images live in host memory: ``max_examples`` bounds it (224 px: 0.6 MB each).
   """
-  _check_count("max_examples", max_examples, 0)
+  validate.check_int("max_examples", max_examples, 0)
   cfg = data_cfg.copy_and_resolve_references()
   with cfg.unlocked():
     cfg.max_eval_examples = int(max_examples) or None
@@ -59,16 +62,31 @@ def _block_scalars(prefix: str, values) -> Dict[str, float]:
   return {f"{prefix}/block_{i:02d}": float(v) for i, v in enumerate(values)}
 
 
-def _check_flag(field: str, value) -> bool:
-  if not isinstance(value, (bool, np.bool_)):
-    raise ValueError(f"{field}={value!r} is not allowed; it must be True or False")
-  return bool(value)
+# ----------------------------------------------------------------------------------------------
+# One console line per evaluation: ``summary(scalars)`` of each evaluator formats its ``run()``.
+
+SUMMARY_WIDTH = 199  # characters of a summary line at most
 
 
-def _check_count(field: str, value, minimum: int = 1) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-    raise ValueError(f"{field}={value!r} is not allowed; it must be an integer >= {minimum}")
-  return int(value)
+def _pct(value) -> str:
+  return f"{100 * float(value):.1f}%"
+
+
+def _num(value) -> str:
+  return f"{float(value):.3g}"
+
+
+def _blocks(scalars: Dict[str, float], prefix: str) -> list:
+  """The per-block values ``prefix/block_XX`` of ``scalars`` in block order (``[]`` if none)."""
+  head = prefix + "/block_"
+  found = sorted((int(k[len(head):]), v) for k, v in scalars.items()
+                 if k.startswith(head) and k[len(head):].isdigit())
+  return [v for _, v in found]
+
+
+def fit(line: str, width: int = SUMMARY_WIDTH) -> str:
+  """``line`` cut to ``width`` characters (``...`` at the end when cut)."""
+  return line if len(line) <= width else line[:width - 3] + "..."
 
 
 def pooled(evaluator, params, images: np.ndarray, choices, layers) -> np.ndarray:
@@ -93,12 +111,12 @@ class LinearEvaluator:
   """Linear probes of the last encoder block (``config.evals.linear``; protocols in
   ``evals.linear_probe``), one head per feature choice, all trained together."""
 
-  def __init__(self, cfg, task, data_cfg, mesh):
+  def __init__(self, cfg, model, data_cfg, mesh):
     self.cfg, self.mesh, self.data_cfg = cfg, mesh, data_cfg
     self.every_steps = cfg.every_steps
     self.protocols = parse_protocols(cfg.protocols)
     self.choices = features.parse_choices(cfg.features, "evals.linear.features")
-    self.model = task.model
+    self.model = model
     self.train = load_split(data_cfg, cfg.train_split, cfg.max_train_examples)
     self.test = load_split(data_cfg, cfg.eval_split, cfg.max_eval_examples)
     self.num_classes = _num_classes(self.train["label"], self.test["label"])
@@ -185,15 +203,29 @@ class LinearEvaluator:
             scalars[f"linear/{protocol}/{choice}/{key}"] = float(res[key])
     return scalars
 
+  def summary(self, scalars: Dict[str, float]) -> str:
+    """``linear: official top1 54.3% (best of 6: cls_ln), mae top1 50.1% (best of 6: mean)``."""
+    by_protocol: Dict[str, Dict[str, float]] = {}
+    for k, v in scalars.items():
+      parts = k.split("/")
+      if len(parts) == 4 and parts[0] == "linear" and parts[3] == "top1":
+        by_protocol.setdefault(parts[1], {})[parts[2]] = v
+    items = []
+    for protocol, top1 in by_protocol.items():
+      choice = max(top1, key=top1.get)
+      where = f"best of {len(top1)}: {choice}" if len(top1) > 1 else choice
+      items.append(f"{protocol} top1 {_pct(top1[choice])} ({where})")
+    return fit("linear: " + (", ".join(items) or "no results"))
+
 
 class LayerwiseEvaluator:
   """KNN and the fast linear probe on every encoder block (``config.evals.layers``)."""
 
-  def __init__(self, cfg, task, data_cfg, mesh):
+  def __init__(self, cfg, model, data_cfg, mesh):
     self.cfg, self.mesh = cfg, mesh
     self.every_steps = cfg.every_steps
     features.parse_choice(cfg.feature)
-    self.model = task.model
+    self.model = model
     self.train = load_split(data_cfg, cfg.train_split, cfg.max_train_examples)
     self.test = load_split(data_cfg, cfg.eval_split, cfg.max_eval_examples)
     self.num_classes = _num_classes(self.train["label"], self.test["label"])
@@ -222,19 +254,30 @@ class LayerwiseEvaluator:
       scalars[f"layers/{probe}_best_block"] = float(lay[probe]["best_block"])
     return scalars
 
+  def summary(self, scalars: Dict[str, float]) -> str:
+    """``layers: best knn block 9 47.4%, last 44.3%; best linear block 8 50.1%, last 48.0%``."""
+    items = []
+    for probe in ("knn", "linear"):
+      curve = _blocks(scalars, f"layers/{probe}_top1")
+      if not curve:
+        continue
+      best = int(scalars.get(f"layers/{probe}_best_block", int(np.argmax(curve))))
+      items.append(f"best {probe} block {best} {_pct(curve[best])}, last {_pct(curve[-1])}")
+    return fit("layers: " + ("; ".join(items) or "no results"))
+
 
 class RankEvaluator:
   """Effective rank per block (``evals.rank``) and branch ratios per sublayer
   (``evals.branches``), from one encoder pass over ``num_images`` images of ``split``
   (``config.evals.rank``)."""
 
-  def __init__(self, cfg, task, data_cfg, mesh):
+  def __init__(self, cfg, model, data_cfg, mesh):
     self.cfg, self.mesh = cfg, mesh
     self.every_steps = cfg.every_steps
     features.parse_choice(cfg.feature)
-    _check_count("evals.rank.num_images", cfg.num_images, 2)
-    self.with_branches = _check_flag("evals.rank.branch_ratios", cfg.branch_ratios)
-    self.model = model = task.model
+    validate.check_int("evals.rank.num_images", cfg.num_images, 2)
+    self.with_branches = validate.check_flag("evals.rank.branch_ratios", cfg.branch_ratios)
+    self.model = model
     self.images = load_split(data_cfg, cfg.split, cfg.num_images)["image"]
     choice = (cfg.feature,)
 
@@ -277,3 +320,65 @@ class RankEvaluator:
       scalars.update(_block_scalars("branches/ratio_attn", ratio[:, 0]))
       scalars.update(_block_scalars("branches/ratio_mlp", ratio[:, 1]))
     return scalars
+
+  def summary(self, scalars: Dict[str, float]) -> str:
+    """``rank: tokens erank last 2.47 (block 0: 10.1), pooled erank last 21.3 (block 0: 30.2);
+    branch ratio last attn 0.123 mlp 0.345`` (uncentred; the rest is in TensorBoard)."""
+    items = []
+    for kind in ("tokens", "pooled"):
+      curve = _blocks(scalars, f"rank/{kind}_erank")
+      if curve:
+        items.append(f"{kind} erank last {_num(curve[-1])} (block 0: {_num(curve[0])})")
+    line = "rank: " + (", ".join(items) or "no results")
+    attn, mlp = _blocks(scalars, "branches/ratio_attn"), _blocks(scalars, "branches/ratio_mlp")
+    if attn and mlp:
+      line += f"; branch ratio last attn {_num(attn[-1])} mlp {_num(mlp[-1])}"
+    return fit(line)
+
+
+class KnnEvaluator:
+  """Weighted k-NN top-1/top-5 on pooled final-block features (our protocol, see ``evals.knn``)."""
+
+  def __init__(self, cfg, model, data_cfg, mesh):
+    self.cfg, self.mesh = cfg, mesh
+    self.every_steps = cfg.every_steps
+    self.train = load_split(data_cfg, cfg.train_split, cfg.max_train_examples)
+    self.test = load_split(data_cfg, cfg.eval_split, cfg.max_eval_examples)
+    self.num_classes = int(max(self.train["label"].max(), self.test["label"].max())) + 1
+    self.model = model
+    self.choice = cfg.pool + ("_ln" if cfg.layernorm else "")
+    self.cache = None  # a features.FeatureCache shared with other evaluators (decay_jax.cli.evaluate)
+
+    def last_block(params, images):
+      tokens = model.apply({"params": params}, images, method=model.features)[-1]
+      return knn.pool_tokens(tokens, cfg.pool, cfg.layernorm)
+
+    self.features = last_block
+
+  def requests(self):
+    return [(d["image"], (self.choice,), (-1,)) for d in (self.train, self.test)]
+
+  def _get(self, params, images):
+    if self.cache is not None and self.cache.params is params:
+      return self.cache.pooled(images, (self.choice,), (-1,))[:, 0, 0]
+    return features.extract(self.features, params, images, self.mesh, self.cfg.batch_size)
+
+  def evaluate(self, params) -> Dict[str, dict]:
+    get = lambda d: self._get(params, d["image"])
+    res = knn.knn_accuracy(get(self.train), self.train["label"], get(self.test), self.test["label"],
+                           self.num_classes, k=self.cfg.k, temperature=self.cfg.temperature)
+    return {"knn": dict(res, pool=self.cfg.pool, layernorm=bool(self.cfg.layernorm))}
+
+  def run(self, params) -> Dict[str, float]:
+    res = self.evaluate(params)["knn"]
+    out = {"knn/top1": res["top1"]}
+    if "top5" in res:
+      out["knn/top5"] = res["top5"]
+    return out
+
+  def summary(self, scalars: Dict[str, float]) -> str:
+    """``knn top1 44.2% top5 87.6%``."""
+    line = f"knn top1 {_pct(scalars['knn/top1'])}"
+    if "knn/top5" in scalars:
+      line += f" top5 {_pct(scalars['knn/top5'])}"
+    return fit(line)

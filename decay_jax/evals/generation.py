@@ -122,7 +122,7 @@ def list_images(directory: str):
 
 
 def load_images(path: str) -> np.ndarray:
-  """uint8 ``(N, H, W, 3)`` from an ``.npz`` (``arr_0``, as ``decay_jax.sample`` and ADM write)
+  """uint8 ``(N, H, W, 3)`` from an ``.npz`` (``arr_0``, as ``decay_jax.cli.sample`` and ADM write)
   or an image folder (RGB; all images must share one size, as pytorch-fid requires)."""
   if os.path.isdir(path):
     from PIL import Image

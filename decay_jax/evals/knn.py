@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from decay_jax.schedules import check_choice
+from decay_jax import validate
+from decay_jax.validate import check_choice
 
 POOL_MODES = ("mean", "cls", "patch_mean")
 AXIS = "data"
@@ -88,26 +89,6 @@ def _layer_norm(x, eps: float):
 
 # ----------------------------------------------------------------------------------------------
 # Input checks (each raises a one-line ValueError naming the field)
-
-
-def _check_int(field: str, value, minimum: int, maximum: int | None = None) -> int:
-  ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= minimum
-  if ok and maximum is not None:
-    ok = value <= maximum
-  if not ok:
-    bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-    raise ValueError(f"{field}={value!r} is not allowed; it must be an integer {bound}")
-  return int(value)
-
-
-def _check_temperature(value) -> float:
-  try:
-    t = float(value)
-  except (TypeError, ValueError):
-    t = math.nan
-  if isinstance(value, bool) or not (math.isfinite(t) and t > 0):
-    raise ValueError(f"temperature={value!r} is not allowed; it must be a finite number > 0")
-  return t
 
 
 def _features(field: str, x) -> jax.Array:
@@ -228,12 +209,12 @@ def knn_predict(train_feats, train_labels, query_feats, num_classes: int, k: int
   if query.shape[1] != train.shape[1]:
     raise ValueError(f"query_feats has D={query.shape[1]}; it must match train_feats D="
                      f"{train.shape[1]}")
-  num_classes = _check_int("num_classes", num_classes, 1)
+  num_classes = validate.check_int("num_classes", num_classes, 1)
   n_train, n_query = train.shape[0], query.shape[0]
   labels = _labels("train_labels", train_labels, n_train, num_classes)
-  k = _check_int("k", k, 1, n_train)
-  temperature = _check_temperature(temperature)
-  chunk = min(_check_int("chunk", chunk, 1), n_query)  # never pad a small query set up to chunk
+  k = validate.check_int("k", k, 1, n_train)
+  temperature = validate.check_range("temperature", temperature, 0.0, low_open=True)
+  chunk = min(validate.check_int("chunk", chunk, 1), n_query)  # never pad a small query set up to chunk
   mesh = _mesh(devices)
 
   # Pad N_train to a multiple of the device count; label -1 marks rows that are never neighbours.
@@ -270,7 +251,7 @@ def knn_accuracy(train_feats, train_labels, query_feats, query_labels, num_class
   Raises:
     ValueError: one line naming the bad field.
   """
-  num_classes = _check_int("num_classes", num_classes, 1)
+  num_classes = validate.check_int("num_classes", num_classes, 1)
   query_feats = _features("query_feats", query_feats)
   # Checked before the search so that a bad label fails fast, not after minutes of compute.
   labels = jnp.asarray(_labels("query_labels", query_labels, query_feats.shape[0], num_classes))

@@ -8,7 +8,7 @@ them together equals training them one by one.
 
 Protocols:
 
-``official`` (official_facts.md 3.1, the released ``misc.eval_model``): precomputed features, no
+``official`` (docs/official_code.md 3.1, the released ``misc.eval_model``): precomputed features, no
   augmentation; ``nn.Linear(D, C)`` with PyTorch's default init ``U(+-1/sqrt(D))`` for weight and
   bias; ``torch.optim.AdamW(lr=1e-2)`` with torch defaults (betas 0.9/0.999, eps 1e-8) and weight
   decay 0.01 on weight and bias; 200 epochs; each epoch a fresh permutation truncated to a multiple
@@ -24,7 +24,7 @@ Protocols:
   lower there than with the same features standardised (a ``study`` arm: 25.30% raw, 40.70%
   standardised). This variant is invariant to any per-dimension affine map of the features.
 
-``mae`` (official_facts.md 3.2, upstream ``main_linprobe.py``): ``BatchNorm1d(D, affine=False,
+``mae`` (docs/official_code.md 3.2, upstream ``main_linprobe.py``): ``BatchNorm1d(D, affine=False,
   eps=1e-6)`` then ``Linear(D, C)`` with weight ``N(0, 0.01^2)`` (timm's trunc_normal truncates at
   +-2 absolute, i.e. 200 std: a plain normal) and zero bias; batch statistics while training,
   running statistics (momentum 0.1, unbiased variance) at evaluation; LARS (momentum 0.9, trust
@@ -57,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from decay_jax import validate
 from decay_jax.evals import knn
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -68,11 +69,9 @@ _EVAL_CHUNK = 4096
 
 
 def _check_positive(field: str, value, integer: bool = True):
-  ok = (isinstance(value, (int, np.integer)) if integer else isinstance(value, (int, float)))
-  if isinstance(value, bool) or not ok or not value > 0 or not math.isfinite(value):
-    kind = "an integer" if integer else "a number"
-    raise ValueError(f"{field}={value!r} is not allowed; it must be {kind} > 0")
-  return value
+  if integer:
+    return validate.check_int(field, value, 1)
+  return validate.check_range(field, value, 0.0, low_open=True)
 
 
 def _as_heads(field: str, x) -> jax.Array:
@@ -192,7 +191,7 @@ def _result(acc: Dict[str, np.ndarray], losses) -> Dict[str, list]:
 
 
 # ----------------------------------------------------------------------------------------------
-# The official protocol (official_facts.md 3.1)
+# The official protocol (docs/official_code.md 3.1)
 
 
 def official_lr_table(epochs: int, lr: float = 1e-2) -> np.ndarray:
@@ -286,7 +285,7 @@ def fast_probe(train_x, train_y, test_x, test_y, num_classes: int, *, epochs: in
 
 
 # ----------------------------------------------------------------------------------------------
-# Upstream MAE's protocol (official_facts.md 3.2)
+# Upstream MAE's protocol (docs/official_code.md 3.2)
 
 
 def lars(learning_rate, momentum: float = 0.9, trust_coefficient: float = 0.001,

@@ -1,4 +1,4 @@
-"""The report of ``decay_jax.evaluate``: ``evaluation.json``, ``report.md`` and PNG plots.
+"""The report of ``decay_jax.cli.evaluate``: ``evaluation.json``, ``report.md`` and PNG plots.
 
 Input is a list of model records (``decay_jax.evals.suite.evaluate_model``): ``name``, ``source``,
 ``model`` (fields, ``alpha_eff``, ``alphas``), ``sections`` (``knn``, ``linear``, ``layers``,

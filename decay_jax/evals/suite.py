@@ -1,8 +1,8 @@
 """One model through the representation evaluators: the record behind reports and studies.
 
-``evaluate_model`` runs the evaluators of ``decay_jax.evals.runner`` (knn, linear, layers, rank) on
+``evaluate_model`` runs the evaluators of ``decay_jax.evals.registry`` (knn, linear, layers, rank) on
 one MAE encoder with one shared feature cache and returns a JSON-able record (``evals.report`` turns
-records into Markdown and plots). Used by ``decay_jax.evaluate`` and ``decay_jax.study``.
+records into Markdown and plots). Used by ``decay_jax.cli.evaluate`` and ``research.small_scale_study.run``.
 """
 
 from __future__ import annotations
@@ -10,31 +10,29 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, Sequence
 
+import ml_collections
 from absl import logging
+
+from decay_jax import validate
+from decay_jax.data import pipeline
+from decay_jax.evals import features, registry
+from decay_jax.models import factory
 
 
 def run_model(config, params):
   """The model of a run's config; channels from the checkpoint's patch-embedding kernel."""
-  from decay_jax.train import config as config_lib
   channels = int(params["patch_embed"]["proj"]["kernel"].shape[2])
-  return config_lib.build_model(config, {"image_size": config.data.image_size,
-                                         "channels": channels})
-
-
-def model_summary(model) -> Dict[str, Any]:
-  from decay_jax import checkpoint as ckpt_lib
-  sc = model.shortcuts
-  return dict(ckpt_lib.model_fields(model), alpha_eff=sc.alpha_eff, alphas=sc.alphas.tolist(),
-              branch_scale=sc.branch_scale)
+  return factory.build_model(config, {"image_size": config.data.image_size,
+                                      "channels": channels})
 
 
 def check_data(model, data_cfg, label: str) -> None:
-  from decay_jax.data import pipeline
   info = pipeline.dataset_info(data_cfg)
   if info["image_size"] != model.img_size or info["channels"] != model.in_chans:
-    raise ValueError(f"data.image_size={info['image_size']} with {info['channels']} channels is not "
-                     f"allowed for {label}; its model takes {model.img_size} px, "
-                     f"{model.in_chans} channels")
+    raise validate.not_allowed(
+        "data.image_size", info["image_size"],
+        f"{label}'s model takes {model.img_size} px with {model.in_chans} channels "
+        f"(the data has {info['channels']})")
 
 
 def evaluate_model(name: str, model, params, data_cfg, evals_cfg, names, mesh,
@@ -45,20 +43,16 @@ def evaluate_model(name: str, model, params, data_cfg, evals_cfg, names, mesh,
   reported under ``sections['layers_by_feature'][choice]``; they share the encoder pass with the
   other evaluators.
   """
-  import ml_collections
-  from decay_jax.evals import features, runner
-  from decay_jax.train import tasks
   config = ml_collections.ConfigDict({"task": "mae", "data": data_cfg.to_dict(),
                                       "evals": evals_cfg.to_dict()})
-  record = {"name": name, "source": source, "model": model_summary(model),
+  record = {"name": name, "source": source, "model": factory.summary(model),
             "data": data_cfg.to_dict(), "sections": {}, "seconds": {}, "settings": {}}
-  task = tasks.MAETask(model)
-  built = runner.build(config, task, mesh, names)  # checks every name first
+  built = registry.build(config, model, mesh, names)  # checks every name first
   extra = {}
   for choice in layer_features:
     cfg = config.evals.layers.copy_and_resolve_references()
     cfg.feature = choice
-    extra[choice] = runner.MAE_EVALUATORS["layers"](cfg, task, config.data, mesh)
+    extra[choice] = registry.EVALUATORS["layers"](cfg, model, config.data, mesh)
   # One encoder pass per image set for all evaluators (they pool different blocks and tokens).
   batch = max(int(config.evals[k].batch_size) for k in list(built) + (["layers"] if extra else []))
   cache = features.FeatureCache(model, params, mesh, batch)

@@ -2,7 +2,7 @@
 
 Both blocks are written for ``nn.scan``: ``__call__(carry, xs, ...) -> (carry, carry)`` where ``xs``
 holds this block's identity coefficients ``alpha = (alpha_attn, alpha_mlp)`` (a row of the schedule
-in ``decay_jax.schedules``; a constant, or a trainable parameter for the 'learnable' ablation).
+in ``decay_jax.models.schedules``; a constant, or a trainable parameter for the 'learnable' ablation).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Optional
 import flax.linen as nn
 import jax.numpy as jnp
 
-from decay_jax import layers
-from decay_jax.layers import Dtype
+from decay_jax.models import layers
+from decay_jax.models.layers import Dtype
 
 
 def decayed_update(x, alpha, branch, branch_scale: float):
@@ -37,7 +37,7 @@ def sow_branch_norms(module: nn.Module, name: str, x, alpha, branch, branch_scal
 
 
 class MAEBlock(nn.Module):
-  """Pre-norm ViT block of the official decayed MAE (official_facts.md 1.5).
+  """Pre-norm ViT block of the official decayed MAE (docs/official_code.md 1.5).
 
   ``x <- a_attn x + Attn(LN1(x)); x <- a_mlp x + MLP(LN2(x))`` with affine LN (eps 1e-6), qkv bias,
   exact-erf GELU, and ``attn.proj`` / ``mlp.fc2`` weights zero-initialised. Input ``(N, T, C)``.

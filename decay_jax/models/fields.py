@@ -3,40 +3,62 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax.numpy as jnp
 import numpy as np
 
-from decay_jax import layers, schedules
+from decay_jax import validate
+from decay_jax.models import layers, schedules
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def check_positive_ints(m, names) -> None:
   for field in names:
-    v = getattr(m, field)
-    if not (isinstance(v, (int, np.integer)) and v >= 1):
-      raise ValueError(f"{field}={v!r} is not allowed; it must be an integer >= 1")
+    validate.check_int(field, getattr(m, field))
 
 
 def check_common(m) -> None:
   """Fields every decayed model has: the schedule, the shortcut form, dtype, attention, remat."""
-  schedules.check_alpha_min(m.alpha_min)
-  schedules.check_choice("schedule_convention", m.schedule_convention, schedules.CONVENTIONS)
-  schedules.check_choice("schedule_shape", m.schedule_shape, schedules.SHAPES)
-  schedules.check_choice("shortcut_form", m.shortcut_form, schedules.FORMS)
-  schedules.check_choice("attention_impl", m.attention_impl, layers.ATTENTION_IMPLS)
-  schedules.check_choice("remat_policy", m.remat_policy, layers.REMAT_POLICIES)
+  validate.check_range("alpha_min", m.alpha_min, 0.0, 1.0, low_open=True)
+  validate.check_choice("schedule_convention", m.schedule_convention, schedules.CONVENTIONS)
+  validate.check_choice("schedule_shape", m.schedule_shape, schedules.SHAPES)
+  validate.check_choice("shortcut_form", m.shortcut_form, schedules.FORMS)
+  validate.check_choice("attention_impl", m.attention_impl, layers.ATTENTION_IMPLS)
+  validate.check_choice("remat_policy", m.remat_policy, layers.REMAT_POLICIES)
   try:
     name = jnp.dtype(m.dtype).name
   except TypeError:
-    name = repr(m.dtype)
-  schedules.check_choice("dtype", name, COMPUTE_DTYPES)
+    name = m.dtype if isinstance(m.dtype, str) else repr(m.dtype)
+  validate.check_choice("dtype", name, COMPUTE_DTYPES)
+
+
+_CHECKED = set()
+
+
+def check_once(m, check: Callable) -> None:
+  """``check(m)`` the first time these field values are seen in this process.
+
+  Flax re-runs ``__post_init__`` on every clone of a module (each init, apply and trace), so
+  without this the fields of one model were checked dozens of times per run.
+  """
+  key = (type(m).__name__, check.__name__,
+         tuple((f.name, getattr(m, f.name)) for f in dataclasses.fields(m)
+               if f.name not in ("parent", "name")))
+  try:
+    seen = key in _CHECKED
+  except TypeError:  # an unhashable field value: check every time
+    check(m)
+    return
+  if not seen:
+    check(m)
+    _CHECKED.add(key)
 
 
 def from_preset(cls, presets: dict, preset: str, overrides: dict):
   """``cls(**presets[preset], **overrides)`` with one-line errors for unknown names."""
-  schedules.check_choice("preset", preset, tuple(presets))
+  validate.check_choice("preset", preset, tuple(presets))
   fields = {f.name for f in dataclasses.fields(cls)} - {"parent", "name"}
   unknown = sorted(set(overrides) - fields)
   if unknown:

@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from decay_jax.layers import Dtype
+from decay_jax.models.layers import Dtype
 
 SIZE = 299
 POOL_DIM = 2048

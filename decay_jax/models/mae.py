@@ -1,4 +1,4 @@
-"""Masked autoencoder with decayed identity shortcuts and U-Net skip layers (official_facts.md 1).
+"""Masked autoencoder with decayed identity shortcuts and U-Net skip layers (docs/official_code.md 1).
 
 Differences from upstream MAE that the official model makes, all reproduced here:
   * encoder blocks use decayed shortcuts (schedule over all ``2 * depth`` sublayers), no final LN;
@@ -23,14 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decay_jax import layers, schedules
-from decay_jax.layers import Dtype
+from decay_jax.models import layers, schedules
+from decay_jax.models.layers import Dtype
 from decay_jax.models import fields
 from decay_jax.models.blocks import MAEBlock
 
 
 class SkipLayer(nn.Module):
-  """Long skip from one encoder block into the decoder stream (official_facts.md 1.7).
+  """Long skip from one encoder block into the decoder stream (docs/official_code.md 1.7).
 
   ``u: (N, 1+L, d)`` decoder stream, ``s: (N, 1+K, D)`` encoder output on the visible tokens,
   ``ids_restore: (N, L)``. Missing tokens are filled with this layer's own mask token (encoder
@@ -59,7 +59,7 @@ class SkipLayer(nn.Module):
 
 
 def random_masking(noise, len_keep: int):
-  """Per-example random masking from uniform noise ``(N, L)`` (official_facts.md 1.6).
+  """Per-example random masking from uniform noise ``(N, L)`` (docs/official_code.md 1.6).
 
   Returns ``ids_keep (N, len_keep)`` (shuffled order), ``mask (N, L)`` (1 = removed, in original
   patch order) and ``ids_restore (N, L)``.
@@ -85,7 +85,7 @@ class MaskedAutoencoder(nn.Module):
 
   Decay fields: ``alpha_min`` (1 = the standard residual network), ``schedule_convention``
   ('sublayer' official / 'block' paper), ``schedule_shape`` ('linear' / 'cosine'),
-  ``shortcut_form`` (see ``decay_jax.schedules.FORMS``). The schedule is a module constant.
+  ``shortcut_form`` (see ``decay_jax.models.schedules.FORMS``). The schedule is a module constant.
   """
   img_size: int = 224
   patch_size: int = 16
@@ -108,7 +108,7 @@ class MaskedAutoencoder(nn.Module):
   remat_policy: str = "none"
 
   def __post_init__(self):
-    validate_mae_fields(self)
+    fields.check_once(self, validate_mae_fields)
     super().__post_init__()
 
   # ----- constants derived from the fields -------------------------------------------------------

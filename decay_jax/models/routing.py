@@ -1,6 +1,6 @@
 """Structured residual routing (mirror routing) for SiT, alone or with decayed shortcuts.
 
-Spec: ``shared/spec/mirror_routing.md`` (the paper "Structured Residual Connectivity Matters for
+Spec: ``docs/routing.md`` (the paper "Structured Residual Connectivity Matters for
 Diffusion Transformers" was not found; its method is known from a summary, so several choices below
 are the spec's inferences, marked [INF] there and named here).
 
@@ -59,7 +59,7 @@ copy of that buffer per iteration (``O(K^2)`` activations). Unrolled, the source
 outputs themselves, each one array that the backward pass keeps anyway; the operator never stacks
 candidates: it takes one dot product and one mean square per candidate and accumulates ``x~`` term
 by term, so it adds ``O(|U| N T)`` scalars (logits, weights), not copies of ``(N, T, d)`` tensors.
-The price is compile time growing with depth (see the README). ``none`` keeps the scanned blocks.
+The price is compile time growing with depth (docs/performance.md). ``none`` keeps the scanned blocks.
 
 **Heat-map.** With ``'intermediates'`` mutable each routed sublayer sows its weights averaged over
 tokens, ``(N, |U|)``; ``routing_weights`` collects them and ``heatmap`` draws rows = sublayers,
@@ -78,8 +78,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decay_jax import layers, schedules
-from decay_jax.layers import Dtype
+from decay_jax import validate
+from decay_jax.models import layers, schedules
+from decay_jax.models.layers import Dtype
 from decay_jax.models.blocks import decayed_update, modulate
 
 VARIANTS = ("none", "plain", "static_skip", "mirror", "fused_mirror", "fused_all", "fused_first",
@@ -264,8 +265,8 @@ class RoutedTrunk(nn.Module):
 
 def check_fields(m) -> None:
   """One-line errors for the routing fields of a SiT ``m``."""
-  schedules.check_choice("residual_routing", m.residual_routing, VARIANTS)
-  schedules.check_choice("routing_decay", m.routing_decay, DECAY_MODES)
+  validate.check_choice("residual_routing", m.residual_routing, VARIANTS)
+  validate.check_choice("routing_decay", m.routing_decay, DECAY_MODES)
   if m.residual_routing == "attnres" and (m.alpha_min != 1.0 or m.shortcut_form != "decay"):
     raise ValueError(f"residual_routing='attnres' has no identity shortcut to decay; it needs "
                      f"alpha_min=1 and shortcut_form='decay' (got {m.alpha_min}, "
@@ -298,34 +299,13 @@ def long_range_macs(m) -> float:
   """Forward multiply-adds per example of the long-range connections of SiT ``m``: the skip
   Linears ('none': d^2, 'static_skip': 2 d^2 per token and decoder block) or the routing operators
   (2 |U| d per token and operator: the score dot products and the weighted sum; RMS and softmax are
-  norms, which ``decay_jax.flops`` does not count)."""
+  norms, which ``decay_jax.models.flops`` does not count)."""
   t, d, half = m.grid ** 2, m.dim, m.depth // 2
   if m.residual_routing == "none":
     return half * t * d * d
   if m.residual_routing == "static_skip":
     return half * t * 2 * d * d
   return sum(2 * n * t * d for n in candidate_counts(m.residual_routing, m.depth))
-
-
-def overhead(model) -> dict:
-  """Parameters (counted on the abstract init) and train FLOPs of ``model`` against the same SiT
-  with ``residual_routing='plain'`` (the DiT baseline without long-range connections)."""
-  from decay_jax import flops  # lazy: flops imports this module
-  import dataclasses
-
-  def count(m):
-    x = jnp.zeros((1, m.input_size, m.input_size, m.in_channels), jnp.float32)
-    shapes = jax.eval_shape(m.init, jax.random.key(0), x, jnp.zeros((1,)), jnp.zeros((1,), jnp.int32))
-    return sum(int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(shapes["params"]))
-
-  plain = dataclasses.replace(model, residual_routing="plain", routing_decay="after")
-  n, n0 = count(model), count(plain)
-  f, f0 = 3 * flops.sit_forward_flops(model), 3 * flops.sit_forward_flops(plain)
-  return {"residual_routing": model.residual_routing, "routing_decay": model.routing_decay,
-          "plain_params": n0, "routing_params": n - n0,
-          "routing_params_pct": round(100 * (n - n0) / n0, 4),
-          "routing_gflops_per_example": round((f - f0) / 1e9, 4),
-          "routing_flops_pct": round(100 * (f - f0) / f0, 4)}
 
 
 # ------------------------------------------------------------------------------------------------

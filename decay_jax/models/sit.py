@@ -1,4 +1,4 @@
-"""SiT with decayed identity shortcuts and U-Net long skips (official_facts.md section 4).
+"""SiT with decayed identity shortcuts and U-Net long skips (docs/official_code.md section 4).
 
 ``depth`` blocks split into ``depth/2`` encoder and ``depth/2`` decoder blocks. The decay schedule
 runs over all ``2*depth`` sublayers, encoder then decoder, down to ``alpha_min`` (the official
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decay_jax import layers, schedules
-from decay_jax.layers import Dtype
+from decay_jax.models import layers, schedules
+from decay_jax.models.layers import Dtype
 from decay_jax.models import fields, routing
 from decay_jax.models.blocks import SiTBlock, modulate
 
@@ -75,7 +75,7 @@ class SiT(nn.Module):
   routing_decay: str = "after"
 
   def __post_init__(self):
-    validate_sit_fields(self)
+    fields.check_once(self, validate_sit_fields)
     super().__post_init__()
 
   @property

@@ -1,7 +1,7 @@
 """The KL autoencoder of Stable Diffusion (diffusers ``AutoencoderKL``; sd-vae-ft-ema), in Flax.
 
 SiT trains on ``z = vae.encode(x).latent_dist.sample() * 0.18215`` of ADM-centre-cropped images
-in [-1, 1] (official_facts.md 5.2) and decodes ``vae.decode(z / 0.18215)`` for FID. Images and
+in [-1, 1] (docs/official_code.md 5.2) and decodes ``vae.decode(z / 0.18215)`` for FID. Images and
 latents are NHWC: ``x (N, H, W, 3)`` -> ``z (N, H/f, W/f, latent_channels)`` with
 ``f = 2 ** (len(block_out_channels) - 1)`` (8 for sd-vae-ft-ema: 256x256 images, 32x32x4 latents).
 
@@ -27,7 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from decay_jax.layers import Dtype
+from decay_jax.models.layers import Dtype
 
 GN_EPS = 1e-6
 LOGVAR_RANGE = (-30.0, 20.0)

@@ -8,15 +8,11 @@ one-line ``ValueError`` naming the field, before anything is compiled.
 
 from __future__ import annotations
 
-import math
-
 import ml_collections as mlc
 
-from decay_jax import layers, schedules
+from decay_jax import validate as validate_lib
 from decay_jax.data import pipeline
-from decay_jax.models import fields, mae as mae_lib, routing as routing_lib, sit as sit_lib
-
-TASKS = ("mae", "sit")
+from decay_jax.models import factory
 
 
 def _common(task: str) -> mlc.ConfigDict:
@@ -48,7 +44,7 @@ def _model_fields() -> mlc.ConfigDict:
 
 
 def mae_config() -> mlc.ConfigDict:
-  """MAE pretraining defaults: the official recipe (official_facts.md 2) at ViT-B/16."""
+  """MAE pretraining defaults: the official recipe (docs/official_code.md 2) at ViT-B/16."""
   c = _common("mae")
   c.model = _model_fields()
   c.model.preset = "B/16"
@@ -73,7 +69,7 @@ def mae_config() -> mlc.ConfigDict:
                                     max_train_examples=100_000, max_eval_examples=0,
                                     batch_size=256))
   # Representation evaluators (decay_jax.evals.evaluators; protocols in evals/linear_probe.py).
-  # The probes are off during training (run `python -m decay_jax.evaluate`); the rank pass (effective
+  # The probes are off during training (run `python -m decay_jax.cli.evaluate`); the rank pass (effective
   # rank per block, branch ratios per sublayer) is one forward over num_images images.
   c.evals.linear = mlc.ConfigDict(dict(
       enabled=False, every_steps=0, protocols="official", features="mean,patch_mean_ln,cls_ln",
@@ -93,7 +89,7 @@ def mae_config() -> mlc.ConfigDict:
 
 
 def sit_config() -> mlc.ConfigDict:
-  """SiT training defaults: the official recipe (official_facts.md 5.2) at SiT-XL/2."""
+  """SiT training defaults: the official recipe (docs/official_code.md 5.2) at SiT-XL/2."""
   c = _common("sit")
   c.model = _model_fields()
   c.model.preset = "XL/2"
@@ -119,7 +115,7 @@ def sit_config() -> mlc.ConfigDict:
                                     loss_weight=mlc.FieldReference(None, field_type=str),
                                     train_eps=mlc.FieldReference(None, field_type=float),
                                     sample_eps=mlc.FieldReference(None, field_type=float)))
-  # Sampling: the monitoring grid during training and the defaults of decay_jax.sample. The
+  # Sampling: the monitoring grid during training and the defaults of decay_jax.cli.sample. The
   # official in-training samples use ODE dopri5 with CFG 4.0; the official FID sampler CFG 1.0.
   c.sample = mlc.ConfigDict(dict(mode="ode", method="heun", num_steps=50, atol=1e-6, rtol=1e-3,
                                  cfg_scale=4.0, cfg_channels=3, cfg_interval=(0.0, 1.0),
@@ -130,18 +126,6 @@ def sit_config() -> mlc.ConfigDict:
   c.checkpoint.keep_every_steps = 50_000
   c.log_every_steps = 100
   return c
-
-
-def build_model(config, info: dict):
-  """The Flax model of a config; image size and channels come from the data."""
-  m = config.model.to_dict()
-  preset = m.pop("preset")
-  m["attention_impl"] = m["attention_impl"] or None
-  if config.task == "mae":
-    m.update(img_size=info["image_size"], in_chans=info["channels"])
-    return mae_lib.mae(preset, **m)
-  m.update(input_size=info["image_size"], in_channels=info["channels"])
-  return sit_lib.sit(preset, **m)
 
 
 def steps_for(config, num_train: int):
@@ -157,47 +141,26 @@ def steps_for(config, num_train: int):
 
 
 def validate(config) -> None:
-  """One-line errors for bad configs (the model validates its own fields when built)."""
-  schedules.check_choice("task", config.task, TASKS)
+  """One-line errors for the training fields; the model checks its own (``models.factory``)."""
+  validate_lib.check_choice("task", config.task, factory.TASKS)
   for name in ("batch_size", "accum_steps", "log_every_steps"):
-    v = config[name]
-    if not (isinstance(v, int) and v >= 1):
-      raise ValueError(f"{name}={v!r} is not allowed; it must be an integer >= 1")
+    validate_lib.check_int(name, config[name])
   if config.batch_size % config.accum_steps:
-    raise ValueError(f"batch_size={config.batch_size} is not allowed; it must be divisible by "
-                     f"accum_steps={config.accum_steps}")
+    raise validate_lib.not_allowed("batch_size", config.batch_size,
+                                   f"it must be divisible by accum_steps={config.accum_steps}")
   if config.num_train_steps <= 0 and not config.num_epochs > 0:
-    raise ValueError(f"num_epochs={config.num_epochs!r} is not allowed; it must be > 0 "
-                     "(or set num_train_steps > 0)")
-  schedules.check_alpha_min(config.model.alpha_min, "model.alpha_min")
-  schedules.check_choice("model.dtype", config.model.dtype, fields.COMPUTE_DTYPES)
-  schedules.check_choice("model.attention_impl", config.model.attention_impl or None,
-                         layers.ATTENTION_IMPLS)
-  schedules.check_choice("model.remat_policy", config.model.remat_policy, layers.REMAT_POLICIES)
-  schedules.check_choice("model.shortcut_form", config.model.shortcut_form, schedules.FORMS)
-  if config.task == "mae":
-    if not 0.0 < config.model.mask_ratio < 1.0:
-      raise ValueError(f"model.mask_ratio={config.model.mask_ratio!r} is not allowed; it must be "
-                       "in (0, 1)")
-    schedules.check_choice("model.preset", config.model.preset, tuple(mae_lib.MAE_PRESETS))
-  else:
-    schedules.check_choice("model.preset", config.model.preset, tuple(sit_lib.SIT_PRESETS))
-    schedules.check_choice("model.residual_routing", config.model.residual_routing,
-                           routing_lib.VARIANTS)
-    schedules.check_choice("model.routing_decay", config.model.routing_decay,
-                           routing_lib.DECAY_MODES)
-  patch = int(config.model.preset.split("/")[1])
-  if config.data.image_size % patch:
-    raise ValueError(f"data.image_size={config.data.image_size} is not allowed; it must be a "
-                     f"multiple of the patch size {patch} of model.preset={config.model.preset!r}")
-  schedules.check_choice("optim.schedule", config.optim.schedule, ("warmup_cosine", "constant"))
+    raise validate_lib.not_allowed("num_epochs", config.num_epochs,
+                                   "it must be > 0 (or set num_train_steps > 0)")
+  patch = config.model.preset.split("/")[-1]
+  if patch.isdigit() and config.data.image_size % int(patch):
+    raise validate_lib.not_allowed(
+        "data.image_size", config.data.image_size,
+        f"it must be a multiple of the patch size {patch} of model.preset={config.model.preset!r}")
+  validate_lib.check_choice("optim.schedule", config.optim.schedule, ("warmup_cosine", "constant"))
   if not (config.optim.get("lr") or config.optim.base_lr > 0):
     raise ValueError("optim.lr or optim.base_lr must be > 0")
-  if not 0.0 <= config.ema_decay < 1.0:
-    raise ValueError(f"ema_decay={config.ema_decay!r} is not allowed; it must be in [0, 1) "
-                     "(0 = no EMA)")
-  if not math.isfinite(config.optim.weight_decay) or config.optim.weight_decay < 0:
-    raise ValueError(f"optim.weight_decay={config.optim.weight_decay!r} must be >= 0")
+  validate_lib.check_range("ema_decay", config.ema_decay, 0.0, 1.0, high_open=True)
+  validate_lib.check_range("optim.weight_decay", config.optim.weight_decay, 0.0)
 
 
 def override(config, **overrides):

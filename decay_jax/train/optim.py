@@ -1,4 +1,4 @@
-"""Optimiser and learning-rate schedule of the official recipes (official_facts.md 2.3, 2.4, 5.2).
+"""Optimiser and learning-rate schedule of the official recipes (docs/official_code.md 2.3, 2.4, 5.2).
 
 MAE: AdamW(b1 0.9, b2 0.95, eps 1e-8), decoupled weight decay 0.05 on every tensor of rank >= 2
 (cls, decoder cls and mask tokens included: they are 3-D) and on nothing else,

@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decay_jax import flops, layers, samplers
-from decay_jax import transport as transport_lib
+from decay_jax.models import flops, layers
+from decay_jax.diffusion import samplers
+from decay_jax.diffusion import transport as transport_lib
 from decay_jax.models import mae as mae_lib
 from decay_jax.models import routing
 from decay_jax.models import sit as sit_lib
@@ -42,7 +43,7 @@ def grid(rows, pad: int = 2) -> np.ndarray:
 
 
 class MAETask:
-  """Masked-autoencoder pretraining (official_facts.md 1 and 2)."""
+  """Masked-autoencoder pretraining (docs/official_code.md 1 and 2)."""
   name = "mae"
   picture_needs_batch = True  # reconstructions of fixed evaluation images
   picture_name = "reconstruction"
@@ -90,7 +91,7 @@ class MAETask:
 
 
 class SiTTask:
-  """Flow-matching training of SiT through ``decay_jax.transport`` (official_facts.md 5.1).
+  """Flow-matching training of SiT through ``decay_jax.diffusion.transport`` (docs/official_code.md 5.1).
 
   Default (official) transport: linear path ``x_t = t x_1 + (1 - t) x_0`` with ``x_0 ~ N(0, I)``
   noise and ``x_1`` data, ``t ~ U[0, 1]``, velocity target ``x_1 - x_0``; labels are dropped to the

@@ -13,7 +13,7 @@ import json
 import os
 import signal
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import jax
 import numpy as np
@@ -21,13 +21,14 @@ from absl import logging
 from clu import periodic_actions
 from PIL import Image
 
-from decay_jax import checkpoint as ckpt_lib
-from decay_jax import flops, logs
+from decay_jax.models import factory
+from decay_jax.train import checkpoint as ckpt_lib
+from decay_jax.models import flops
+from decay_jax import logs
 from decay_jax import sharding as shd
 from decay_jax.data import pipeline
-from decay_jax.evals import runner as eval_runner
 from decay_jax.train import config as config_lib
-from decay_jax.train import optim, step as step_lib, tasks, writers
+from decay_jax.train import evaluation, optim, step as step_lib, tasks, writers
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -97,21 +98,26 @@ def check_config(config):
   """Every check that needs no compilation; raises a one-line ValueError. Returns the pieces."""
   config_lib.validate(config)
   info = pipeline.dataset_info(config.data)
-  model = config_lib.build_model(config, info)
+  model = factory.build_model(config, info)
   mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp)
   shd.check_batch(config.batch_size, mesh, config.accum_steps)
   return info, model, mesh
 
 
-def train_and_evaluate(config, workdir: str) -> Dict[str, Any]:
-  """Trains (or resumes) the configured model in ``workdir``; returns the final metrics."""
+def train_and_evaluate(config, workdir: str,
+                       evaluators: Optional[evaluation.MakeEvaluators] = None) -> Dict[str, Any]:
+  """Trains (or resumes) the configured model in ``workdir``; returns the final metrics.
+
+  ``evaluators``: ``(config, model, mesh) -> {name: evaluator}`` run during training (e.g.
+  ``decay_jax.evals.registry.build``, which ``decay_jax.cli.train`` passes); ``None`` runs none.
+  """
   # ---------------------------------------------------------------------------------------------
   # Validate everything before compiling anything.
   # ---------------------------------------------------------------------------------------------
   info, model, mesh = check_config(config)
   task = make_task(config, model, info)
   total_steps, warmup_steps = config_lib.steps_for(config, info["num_train"])
-  evaluators = eval_runner.from_config(config, task, mesh)
+  evaluators = evaluation.make(config, model, mesh, evaluators)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   is_main = jax.process_index() == 0

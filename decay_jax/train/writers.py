@@ -12,20 +12,61 @@ import math
 import os
 from typing import List, Tuple
 
+from absl import logging
 from clu import metric_writers
 
+# The console line of a write, in this order; the rest (per-block curves, evaluations: each
+# evaluation logs its own summary line, see train.evaluation) is in TensorBoard and metrics.jsonl.
 CONSOLE_KEYS = ("loss", "lr", "grad_norm", "examples_per_sec", "model_tflops_per_sec_per_device",
-                "mfu", "knn/top1", "knn/top5", "steps_per_sec")
+                "mfu", "steps_per_sec")
 JSONL = "metrics.jsonl"
 
 
-class ConsoleWriter(metric_writers.LoggingWriter):
-  """Logs only the headline scalars; per-block curves (keys with '/') stay in TensorBoard."""
+def console_line(scalars, keys=CONSOLE_KEYS) -> str:
+  """``loss=0.4736, lr=0.000475, ...``: the ``keys`` present, in that order, at 4 digits."""
+  return ", ".join(f"{k}={float(scalars[k]):.4g}" for k in keys if k in scalars)
+
+
+class ConsoleWriter(metric_writers.MetricWriter):
+  """The console part of the writer: one short line of headline scalars per scalar write.
+
+  clu's LoggingWriter logs every scalar of a write (6 digits, sorted by name: the rank pass alone
+  is 48 values) and a ``Got images: {...}`` line per picture. This writer logs only
+  ``CONSOLE_KEYS`` at 4 significant digits and nothing for images, histograms, texts, ...: those
+  go to TensorBoard (and scalars to metrics.jsonl) only.
+  """
 
   def write_scalars(self, step, scalars):
-    kept = {k: v for k, v in scalars.items() if k in CONSOLE_KEYS}
-    if kept:
-      super().write_scalars(step, kept)
+    line = console_line(scalars)
+    if line:
+      logging.info("[%d] %s", step, line)
+
+  def write_summaries(self, step, values, metadata=None):
+    pass
+
+  def write_images(self, step, images):
+    pass
+
+  def write_videos(self, step, videos):
+    pass
+
+  def write_audios(self, step, audios, *, sample_rate):
+    pass
+
+  def write_texts(self, step, texts):
+    pass
+
+  def write_histograms(self, step, arrays, num_buckets=None):
+    pass
+
+  def write_hparams(self, hparams):
+    pass
+
+  def flush(self):
+    logging.flush()
+
+  def close(self):
+    self.flush()
 
 
 class JsonlWriter(metric_writers.MetricWriter):
@@ -90,8 +131,8 @@ def read_scalars(workdir: str, key: str) -> List[Tuple[int, float]]:
 
 
 def make_writer(workdir: str, is_main: bool) -> metric_writers.MetricWriter:
-  """TensorBoard events and metrics.jsonl in ``workdir`` (main process only) plus console lines,
-  asynchronously."""
+  """TensorBoard events (scalars and images) and metrics.jsonl in ``workdir`` (main process only)
+  plus one short console line per scalar write (no images), asynchronously."""
   writers = [ConsoleWriter()]
   if is_main:
     writers += [metric_writers.SummaryWriter(workdir), JsonlWriter(workdir)]

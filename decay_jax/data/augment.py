@@ -1,0 +1,286 @@
+"""Host-side (numpy + PIL) preprocessing of in-memory uint8 images: MAE's augmentation and resizes.
+
+In-memory sources are deterministic and exactly resumable. The training order is the
+concatenation of per-epoch permutations drawn from ``(seed, epoch)``; global step ``s`` consumes the
+global positions ``[s B, (s + 1) B)`` and process ``p`` of ``P`` takes the slice
+``[s B + p B / P, s B + (p + 1) B / P)``; the augmentation of the example at global position ``g``
+uses its own ``numpy`` Generator seeded by ``SeedSequence([seed, stream, g])``. So an iterator
+started at ``start_step=s`` yields exactly what an uninterrupted one yields at step ``s``, whatever
+the process count. Crops are resized on the host with PIL (bicubic, as torchvision on PIL images);
+sampling, flips and normalisation are vectorised over the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterator, Tuple
+
+import ml_collections
+import numpy as np
+from PIL import Image
+
+from decay_jax import validate
+from decay_jax.data import config
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+# MAE evaluation resizes the shorter side to 256 for a 224 crop: crop_pct = 224 / 256.
+EVAL_CROP_PCT = 0.875
+# torchvision RandomResizedCrop tries 10 (area, log-ratio) samples before its centre-crop fallback.
+RRC_ATTEMPTS = 10
+# Independent SeedSequence streams derived from the same user seed (tf_augment uses 2 and 3).
+_PERM_STREAM, _AUG_STREAM = 0, 1
+# Uniforms drawn per example: RRC_ATTEMPTS areas, RRC_ATTEMPTS log-ratios, top, left, flip.
+NUM_UNIFORMS = 2 * RRC_ATTEMPTS + 3
+_BICUBIC = Image.Resampling.BICUBIC
+
+
+def seed_words(seed: int) -> int:
+  """Maps any Python int seed to the non-negative 64-bit entropy SeedSequence accepts."""
+  return int(seed) & ((1 << 64) - 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Normalisation.
+
+
+def normalization(data_cfg, channels: int) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+  """``(mean, std)`` per channel of ``data_cfg.normalize``: images are ``(x/255 - mean) / std``."""
+  validate.check_choice("normalize", data_cfg.normalize, config.NORMALIZE)
+  if data_cfg.normalize == "imagenet":
+    return IMAGENET_MEAN, IMAGENET_STD
+  if data_cfg.normalize == "half":
+    return (0.5,) * channels, (0.5,) * channels
+  return (0.0,) * channels, (1.0,) * channels
+
+
+def _normalize(images: np.ndarray, mode: str) -> np.ndarray:
+  """``normalize_uint8`` for a mode that has already been checked."""
+  x = images.astype(np.float32) / np.float32(255.0)
+  if mode == "imagenet":
+    x -= np.asarray(IMAGENET_MEAN, np.float32)
+    x /= np.asarray(IMAGENET_STD, np.float32)
+  elif mode == "half":
+    x -= np.float32(0.5)
+    x /= np.float32(0.5)
+  return x
+
+
+def normalize_uint8(images: np.ndarray, mode: str) -> np.ndarray:
+  """ToTensor then Normalize: uint8 (..., C) pixels to float32 (..., C)."""
+  validate.check_choice("normalize", mode, config.NORMALIZE)
+  return _normalize(images, mode)
+
+
+# ------------------------------------------------------------------------------------------------
+# Resizing.
+
+
+def _to_pil_planes(image: np.ndarray):
+  """PIL images of one uint8 (H, W, C) array: one 'L'/'RGB' image, or one 'L' image per channel."""
+  channels = image.shape[-1]
+  if channels == 1:
+    return [Image.fromarray(image[..., 0], "L")]
+  if channels == 3:
+    return [Image.fromarray(np.ascontiguousarray(image), "RGB")]
+  return [Image.fromarray(np.ascontiguousarray(image[..., c]), "L") for c in range(channels)]
+
+
+def _from_pil_planes(planes, channels: int) -> np.ndarray:
+  if channels == 1:
+    return np.asarray(planes[0])[..., None]
+  if channels == 3:
+    return np.asarray(planes[0])
+  return np.stack([np.asarray(p) for p in planes], axis=-1)
+
+
+def _pil_resize(image: np.ndarray, height: int, width: int) -> np.ndarray:
+  """Bicubic resize of uint8 (h, w, C) to uint8 (height, width, C), as torchvision on PIL."""
+  if image.shape[0] == height and image.shape[1] == width:
+    return image  # PIL's same-size resize is the identity; skip the round trip.
+  planes = [p.resize((width, height), _BICUBIC) for p in _to_pil_planes(image)]
+  return _from_pil_planes(planes, image.shape[-1])
+
+
+def _eval_resize_one(image: np.ndarray, size: int, mode: str) -> np.ndarray:
+  """uint8 (H, W, C) -> uint8 (size, size, C) by 'resize' or MAE's 'resize_crop'."""
+  if mode == "resize":
+    return _pil_resize(image, size, size)
+  # torchvision Resize(int): the shorter side becomes `short`, the longer int(short * long / short).
+  height, width = image.shape[:2]
+  short = int(size / EVAL_CROP_PCT)
+  if height <= width:
+    new_h, new_w = short, int(short * width / height)
+  else:
+    new_h, new_w = int(short * height / width), short
+  resized = _pil_resize(image, new_h, new_w)
+  # torchvision center_crop rounds the offsets half-to-even, as Python's round does.
+  top, left = int(round((new_h - size) / 2.0)), int(round((new_w - size) / 2.0))
+  return resized[top:top + size, left:left + size]
+
+
+def _eval_resize_batch(images: np.ndarray, size: int, mode: str) -> np.ndarray:
+  """uint8 (N, H, W, C) -> uint8 (N, size, size, C)."""
+  out = np.empty((len(images), size, size, images.shape[-1]), np.uint8)
+  for i, image in enumerate(images):
+    out[i] = _eval_resize_one(image, size, mode)
+  return out
+
+
+def eval_images(images: np.ndarray, cfg: ml_collections.ConfigDict) -> np.ndarray:
+  """Evaluation preprocessing, no augmentation: uint8 (N, H, W, C) -> float32 (N, S, S, C).
+
+  ``cfg`` (``image_size``, ``eval_resize``, ``normalize``) must have passed
+  ``config.check_fields``.
+  """
+  resized = _eval_resize_batch(images, cfg.image_size, cfg.eval_resize)
+  return _normalize(resized, cfg.normalize)
+
+
+# ------------------------------------------------------------------------------------------------
+# Order and per-example seeds.
+
+
+def _epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+  """The order of epoch ``epoch``: int64 (n,), a permutation drawn from (seed, epoch)."""
+  rng = np.random.default_rng([seed_words(seed), _PERM_STREAM, epoch])
+  return rng.permutation(n)
+
+
+def _example_indices(positions: np.ndarray, seed: int, n: int, cache: dict) -> np.ndarray:
+  """Dataset indices of global positions: int64 (L,) -> int64 (L,).
+
+  ``cache`` maps epoch -> permutation; only the epochs of the current batch are kept.
+  """
+  epochs, offsets = np.divmod(positions, n)
+  needed = set(np.unique(epochs).tolist())
+  for epoch in list(cache):
+    if epoch not in needed:
+      del cache[epoch]
+  out = np.empty_like(positions)
+  for epoch in needed:
+    if epoch not in cache:
+      cache[epoch] = _epoch_permutation(seed, epoch, n)
+    sel = epochs == epoch
+    out[sel] = cache[epoch][offsets[sel]]
+  return out
+
+
+def _example_uniforms(positions: np.ndarray, seed: int) -> np.ndarray:
+  """Per-example uniforms in [0, 1): float64 (L, NUM_UNIFORMS), from (seed, global position)."""
+  words = seed_words(seed)
+  return np.stack([
+      np.random.default_rng([words, _AUG_STREAM, int(g)]).random(NUM_UNIFORMS)
+      for g in positions
+  ]) if len(positions) else np.zeros((0, NUM_UNIFORMS))
+
+
+# ------------------------------------------------------------------------------------------------
+# RandomResizedCrop + RandomHorizontalFlip.
+
+
+def _fallback_crop(height: int, width: int, ratio: Tuple[float, float]) -> Tuple[int, int]:
+  """torchvision's centre-crop size when no sample fits: (h, w) clamped to the ratio range."""
+  in_ratio = width / height
+  if in_ratio < min(ratio):
+    return int(round(width / min(ratio))), width
+  if in_ratio > max(ratio):
+    return height, int(round(height * max(ratio)))
+  return height, width
+
+
+def crop_params(uniforms: np.ndarray, height: int, width: int, scale: Tuple[float, float],
+                ratio: Tuple[float, float]) -> Tuple[np.ndarray, ...]:
+  """RandomResizedCrop boxes for a batch, as torchvision's ``get_params`` draws them.
+
+  Args:
+    uniforms: float64 (L, >= 2 * RRC_ATTEMPTS + 2) in [0, 1): per example, RRC_ATTEMPTS area
+      draws, RRC_ATTEMPTS log-ratio draws, then the top and left offset draws.
+    height: image height H.
+    width: image width W.
+    scale: (low, high) fraction of the image area.
+    ratio: (low, high) width / height.
+
+  Returns:
+    ``(top, left, h, w)``, each int64 (L,): the first of the attempts whose box fits, placed
+    uniformly; torchvision's centre crop where none fits.
+  """
+  k = RRC_ATTEMPTS
+  area = float(height * width)
+  target_area = area * (scale[0] + (scale[1] - scale[0]) * uniforms[:, :k])
+  log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+  aspect = np.exp(log_lo + (log_hi - log_lo) * uniforms[:, k:2 * k])
+  # np.round rounds half to even, exactly like the Python round() torchvision uses.
+  w = np.round(np.sqrt(target_area * aspect)).astype(np.int64)
+  h = np.round(np.sqrt(target_area / aspect)).astype(np.int64)
+  fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+  first = np.argmax(fits, axis=1)
+  rows = np.arange(len(uniforms))
+  any_fit = fits[rows, first]
+  h, w = h[rows, first], w[rows, first]
+  # torch.randint(0, H - h + 1) is uniform over the integers [0, H - h].
+  top = np.floor(uniforms[:, 2 * k] * (height - h + 1)).astype(np.int64)
+  left = np.floor(uniforms[:, 2 * k + 1] * (width - w + 1)).astype(np.int64)
+  fb_h, fb_w = _fallback_crop(height, width, ratio)
+  top = np.where(any_fit, top, (height - fb_h) // 2)
+  left = np.where(any_fit, left, (width - fb_w) // 2)
+  h, w = np.where(any_fit, h, fb_h), np.where(any_fit, w, fb_w)
+  return top, left, h, w
+
+
+def augment_batch(images: np.ndarray, uniforms: np.ndarray, size: int,
+                  cfg: ml_collections.ConfigDict) -> np.ndarray:
+  """RandomResizedCrop(size, BICUBIC) then RandomHorizontalFlip on uint8 images.
+
+  Args:
+    images: uint8 (L, H, W, C).
+    uniforms: float64 (L, NUM_UNIFORMS) per-example draws in [0, 1); the last one decides the
+      flip (flipped when < 0.5, as torchvision's ``torch.rand(1) < p``).
+    size: output resolution S.
+    cfg: the data config (crop_scale, crop_ratio, flip).
+
+  Returns:
+    uint8 (L, S, S, C).
+  """
+  num, height, width, channels = images.shape
+  top, left, h, w = crop_params(uniforms, height, width, tuple(cfg.crop_scale),
+                                tuple(cfg.crop_ratio))
+  out = np.empty((num, size, size, channels), np.uint8)
+  for i in range(num):
+    # Crop first, then resize: PIL's resize(box=...) would blend in pixels outside the box.
+    crop = images[i, top[i]:top[i] + h[i], left[i]:left[i] + w[i]]
+    out[i] = _pil_resize(crop, size, size)
+  if cfg.flip:
+    flip = uniforms[:, -1] < 0.5
+    out[flip] = out[flip, :, ::-1]
+  return out
+
+
+def train_batches(cfg: ml_collections.ConfigDict, images: np.ndarray, labels: np.ndarray,
+                  global_batch: int, seed: int, start_step: int, process_index: int,
+                  process_count: int) -> Iterator[Dict[str, np.ndarray]]:
+  """Deterministic in-memory batches; see the module docstring for the position scheme.
+
+  Args:
+    cfg: the data config, already through ``config.check_fields``.
+    images: uint8 (N, H, W, C), the training split.
+    labels: int32 (N,).
+    global_batch, seed, start_step, process_index, process_count: as ``make_train_iterator``,
+      already through ``config.check_batch``.
+
+  Yields:
+    ``{'image': float32 (L, S, S, C) normalised, 'label': int32 (L,)}``,
+    ``L = global_batch // process_count``.
+  """
+  n = len(labels)
+  local = global_batch // process_count
+  cache: dict = {}
+  step = start_step
+  while True:
+    first = step * global_batch + process_index * local
+    positions = np.arange(first, first + local, dtype=np.int64)
+    indices = _example_indices(positions, seed, n, cache)
+    uniforms = _example_uniforms(positions, seed)
+    batch = augment_batch(images[indices], uniforms, cfg.image_size, cfg)
+    yield {"image": _normalize(batch, cfg.normalize), "label": labels[indices]}
+    step += 1

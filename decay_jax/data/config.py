@@ -1,0 +1,139 @@
+"""The data config: its defaults and the checks of its fields (no image is read before these pass).
+
+Field checks run once per distinct config: ``check_fields`` remembers the (type, value) of the
+checked fields of every config that passed, so each entry point calls it and only the first pays.
+
+Everything is driven by one ``ml_collections.ConfigDict`` (start from ``default_data_config()``):
+
+  ``dataset``: ``'embedded_mnist'`` (the MNIST subset shipped in ``decay_jax/data/embedded/``),
+      ``'npz:/abs/path.npz'`` (any npz with uint8 NHWC ``x_train``/``y_train`` and optionally
+      ``x_test``/``y_test``, ``class_names``), ``'latents:/dir'`` (pre-extracted latent shards, see
+      ``decay_jax.data.latents``), or a TFDS builder name such as ``'cifar10'`` or
+      ``'imagenet2012'`` (read from ``data_dir``).
+  ``train_split`` / ``eval_split``: ``'train'``, ``'test'``; in-memory sources also take Python
+      slices of those, e.g. ``'train[:8000]'`` / ``'train[8000:]'`` for an npz without a test set;
+      TFDS sources take any TFDS split string.
+  ``image_size``: output resolution ``S``.
+  ``crop_scale``, ``crop_ratio``, ``flip``: the MAE pretraining augmentation, i.e. torchvision's
+      ``RandomResizedCrop(S, scale, ratio, BICUBIC)`` then ``RandomHorizontalFlip(0.5)``.
+  ``normalize``: ``'imagenet'`` (``(x - mean) / std`` with the ImageNet statistics; 3 channels
+      only), ``'half'`` (``(x - 0.5) / 0.5``) or ``'none'`` (``x`` in ``[0, 1]``), where
+      ``x = pixel / 255``.
+  ``eval_resize``: ``'resize_crop'`` (MAE evaluation: bicubic resize of the shorter side to
+      ``int(S / 0.875)``, then a centre crop ``S``) or ``'resize'`` (bicubic resize straight to
+      ``S x S``, for tiny images).
+  ``data_dir``, ``shuffle_buffer`` (TFDS only), ``max_eval_examples`` (None = the whole split).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional
+
+import ml_collections
+
+from decay_jax import validate
+
+EMBEDDED_MNIST = "embedded_mnist"
+NPZ_PREFIX = "npz:"
+NORMALIZE = ("imagenet", "half", "none")
+EVAL_RESIZE = ("resize_crop", "resize")
+# The file behind dataset='embedded_mnist' (decay_jax.data.embedded builds it and re-exports these;
+# they live here so that reading the file never imports that command-line module).
+EMBEDDED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "embedded")
+EMBEDDED_NPZ = os.path.join(EMBEDDED_DIR, "mnist_10k.npz")
+
+# The fields check_fields reads, and the keys of the configs that passed (oldest first).
+_CHECKED_FIELDS = ("image_size", "crop_scale", "crop_ratio", "flip", "normalize", "eval_resize",
+                   "shuffle_buffer", "max_eval_examples", "dataset")
+_MAX_PASSED = 256
+_passed: Dict[tuple, None] = {}
+
+
+def default_data_config() -> ml_collections.ConfigDict:
+  """Defaults that run anywhere: the shipped MNIST subset at its native 28 x 28 resolution.
+
+  The augmentation and ``eval_resize='resize_crop'`` are MAE's. ``normalize='half'`` is the one
+  choice valid for every channel count; MAE on ImageNet sets ``normalize='imagenet'`` (and
+  ``dataset``, ``image_size=224``); tiny images may prefer ``eval_resize='resize'``.
+  """
+  return ml_collections.ConfigDict({
+      "dataset": EMBEDDED_MNIST,
+      "train_split": "train",
+      "eval_split": "test",
+      "image_size": 28,
+      "crop_scale": (0.2, 1.0),
+      "crop_ratio": (3.0 / 4.0, 4.0 / 3.0),
+      "flip": True,
+      "normalize": "half",
+      "data_dir": None,
+      "shuffle_buffer": 10_000,
+      "max_eval_examples": None,
+      "eval_resize": "resize_crop",
+  })
+
+
+def _freeze(value):
+  """``(type, value)``, recursively for lists and tuples; TypeError if ``value`` is unhashable."""
+  if isinstance(value, (list, tuple)):
+    return type(value), tuple(_freeze(v) for v in value)
+  hash(value)
+  return type(value), value
+
+
+def _key(cfg) -> Optional[tuple]:
+  """What the checks depend on: the type and value of every checked field (None: not cacheable)."""
+  try:
+    return tuple((field, _freeze(getattr(cfg, field))) for field in _CHECKED_FIELDS)
+  except (AttributeError, KeyError, TypeError):
+    return None  # A missing field or an unhashable value: check (and fail) every time.
+
+
+def _check_fields_uncached(cfg: ml_collections.ConfigDict) -> None:
+  validate.check_int("image_size", cfg.image_size, 1)
+  validate.check_pair("crop_scale", cfg.crop_scale, at_most_one=True)
+  validate.check_pair("crop_ratio", cfg.crop_ratio, at_most_one=False)
+  validate.check_flag("flip", cfg.flip)
+  validate.check_choice("normalize", cfg.normalize, NORMALIZE)
+  validate.check_choice("eval_resize", cfg.eval_resize, EVAL_RESIZE)
+  validate.check_int("shuffle_buffer", cfg.shuffle_buffer, 1)
+  if cfg.max_eval_examples is not None and not (
+      validate.is_int(cfg.max_eval_examples) and cfg.max_eval_examples >= 1):
+    raise validate.not_allowed("max_eval_examples", cfg.max_eval_examples,
+                               "it must be None or an integer >= 1")
+  if not isinstance(cfg.dataset, str):
+    raise validate.not_allowed("dataset", cfg.dataset, "it must be a string")
+
+
+def check_fields(cfg: ml_collections.ConfigDict) -> None:
+  """Checks the fields that need no I/O, once per distinct config (see the module docstring)."""
+  key = _key(cfg)
+  if key is not None and key in _passed:
+    return
+  _check_fields_uncached(cfg)
+  if key is not None:
+    if len(_passed) >= _MAX_PASSED:
+      del _passed[next(iter(_passed))]
+    _passed[key] = None
+
+
+def check_batch(global_batch, seed, start_step, process_index, process_count) -> None:
+  """Checks the arguments of ``make_train_iterator`` (they change per call, so no cache)."""
+  validate.check_int("process_count", process_count, 1)
+  if not (validate.is_int(process_index) and 0 <= process_index < process_count):
+    raise validate.not_allowed("process_index", process_index,
+                               f"it must be an integer in [0, {process_count})")
+  if not (validate.is_int(global_batch) and global_batch >= 1
+          and global_batch % process_count == 0):
+    raise validate.not_allowed("global_batch", global_batch,
+                               f"it must be a positive multiple of process_count={process_count}")
+  if not validate.is_int(seed):
+    raise validate.not_allowed("seed", seed, "it must be an integer")
+  validate.check_int("start_step", start_step, 0)
+
+
+def check_channels(cfg: ml_collections.ConfigDict, channels: int) -> None:
+  """``normalize='imagenet'`` needs 3 channels."""
+  if cfg.normalize == "imagenet" and channels != 3:
+    raise ValueError(f"normalize='imagenet' is not allowed for {channels}-channel images; "
+                     "choose 'half' or 'none'")

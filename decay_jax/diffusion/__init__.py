@@ -1,0 +1,1 @@
+"""Flow-matching transport (paths, losses) and the ODE/SDE samplers of SiT."""

@@ -1,0 +1,44 @@
+"""The evaluators by name (``config.evals.<name>``), built for one model.
+
+``build(config, model, mesh)`` returns the enabled evaluators (or exactly ``names``); the trainer
+receives this function (``train.trainer.train_and_evaluate(..., evaluators=registry.build)``) and
+never imports an evaluator class. MAE evaluators:
+
+  ``knn``: weighted KNN of the last block (``evals.knn``).
+  ``linear``: linear probes of the last block, official and upstream-MAE protocols.
+  ``layers``: KNN and a fast linear probe on every block.
+  ``rank``: effective rank per block and branch ratios per sublayer (cheap; on by default).
+
+An evaluator has ``every_steps`` (0 = only at the end of training), ``run(params) -> dict`` of
+scalars, ``evaluate(params) -> dict`` of JSON-able report sections and ``summary(scalars) -> str``,
+the one console line of a result.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence
+
+from decay_jax import validate
+from decay_jax.evals import evaluators
+
+# config.evals section name -> evaluator class (the order of the report).
+EVALUATORS = {"knn": evaluators.KnnEvaluator, "linear": evaluators.LinearEvaluator,
+              "layers": evaluators.LayerwiseEvaluator, "rank": evaluators.RankEvaluator}
+
+
+def build(config, model, mesh, names: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+  """The MAE evaluators of ``config.evals``: the enabled ones, or exactly ``names`` if given.
+
+  Raises:
+    ValueError: a name that is not an evaluator, or one without a ``config.evals`` section.
+  """
+  if config.task != "mae":
+    if names:
+      raise validate.not_allowed("task", config.task, "the evaluators need task='mae'")
+    return {}
+  for name in names or ():
+    validate.check_choice("evals", name, tuple(EVALUATORS))
+    if name not in config.evals:
+      raise validate.not_allowed("evals", name, f"config.evals has no {name!r} section")
+  wanted = names or [n for n in EVALUATORS if n in config.evals and config.evals[n].enabled]
+  return {name: EVALUATORS[name](config.evals[name], model, config.data, mesh) for name in wanted}

@@ -1,0 +1,1 @@
+"""Model conversion from the official PyTorch checkpoints and external models (VAE, Inception)."""

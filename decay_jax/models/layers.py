@@ -1,0 +1,176 @@
+"""Shared Flax Linen layers: attention, MLP, patch embedding, sin-cos tables, initialisers.
+
+Parameter names mirror the official PyTorch modules (``attn.qkv``, ``mlp.fc1`` ...) so that the
+converter is a table, not a translation. Layouts: tokens are ``(N, T, C)``, images ``(N, H, W, C)``.
+
+Precision: parameters are float32; ``dtype`` is the compute dtype of the matmuls. LayerNorm always
+computes in float32 and the residual stream stays float32 (docs/official_code.md 1.11), so a bfloat16
+model differs from the float32 one only inside the branches.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Dtype = Any
+
+ATTENTION_IMPLS = (None, "xla", "cudnn")
+REMAT_POLICIES = ("none", "full", "dots")
+
+xavier_uniform = nn.initializers.xavier_uniform()
+zeros = nn.initializers.zeros
+
+
+def patch_kernel_init(key, shape, dtype=jnp.float32):
+  """xavier_uniform on the 2-D view ``(out, in*kh*kw)`` of a patch-embedding conv kernel.
+
+  PyTorch's official init views the conv weight as a Linear (docs/official_code.md 1.3), so the bound is
+  ``sqrt(6 / (in*kh*kw + out))``; Flax's conv xavier would fold the receptive field into fan_out too.
+  ``shape`` is the Flax kernel shape ``(kh, kw, in, out)``.
+  """
+  kh, kw, cin, cout = shape
+  bound = math.sqrt(6.0 / (kh * kw * cin + cout))
+  return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def torch_conv_bias_init(fan_in: int):
+  """PyTorch's default Conv2d bias init U(+-1/sqrt(fan_in)), kept by the official MAE."""
+  bound = 1.0 / math.sqrt(fan_in)
+  return lambda key, shape, dtype=jnp.float32: jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def normal(std: float):
+  """Plain (not truncated) normal, as torch ``normal_(std=...)``."""
+  return lambda key, shape, dtype=jnp.float32: std * jax.random.normal(key, shape, dtype)
+
+
+def sincos_1d(embed_dim: int, pos: np.ndarray) -> np.ndarray:
+  """``[sin(p w_i), cos(p w_i)]`` with ``w_i = 10000^(-i / (E/2))``; float64, shape (len(pos), E)."""
+  if embed_dim % 2:
+    raise ValueError(f"embed_dim={embed_dim} must be even for a sin-cos embedding")
+  omega = 1.0 / 10000 ** (np.arange(embed_dim // 2, dtype=np.float64) / (embed_dim / 2.0))
+  out = np.einsum("m,d->md", pos.reshape(-1).astype(np.float64), omega)
+  return np.concatenate([np.sin(out), np.cos(out)], axis=1)
+
+
+def sincos_2d(embed_dim: int, grid_size: int, cls_token: bool = False) -> np.ndarray:
+  """Fixed 2-D sin-cos position table, float32 ``(grid**2 [+1], embed_dim)`` (official 1.12).
+
+  Token ``n = row * grid + col``; the first half of the channels encodes the column, the second the
+  row; with ``cls_token`` a zero row is prepended.
+  """
+  if embed_dim % 4:
+    raise ValueError(f"embed_dim={embed_dim} must be a multiple of 4 for a 2-D sin-cos embedding")
+  rows, cols = np.meshgrid(np.arange(grid_size), np.arange(grid_size), indexing="ij")
+  emb = np.concatenate([sincos_1d(embed_dim // 2, cols), sincos_1d(embed_dim // 2, rows)], axis=1)
+  if cls_token:
+    emb = np.concatenate([np.zeros((1, embed_dim)), emb], axis=0)
+  return emb.astype(np.float32)
+
+
+def layer_norm(name: Optional[str] = None, affine: bool = True) -> nn.LayerNorm:
+  """LayerNorm eps 1e-6 computed in float32 (two-pass variance, as torch)."""
+  return nn.LayerNorm(epsilon=1e-6, use_bias=affine, use_scale=affine, dtype=jnp.float32,
+                      use_fast_variance=False, name=name)
+
+
+class Attention(nn.Module):
+  """Multi-head self-attention with packed qkv (timm layout), through ``jax.nn.dot_product_attention``.
+
+  The ``3C`` qkv outputs are ``[q | k | v]``, each split head-major into contiguous ``C/H`` chunks;
+  softmax scale ``(C/H)^-1/2``; no mask, no dropout (docs/official_code.md 1.5).
+  Input and output ``(N, T, C)``.
+  """
+  num_heads: int
+  dtype: Dtype = jnp.float32
+  proj_init: Callable = xavier_uniform
+  implementation: Optional[str] = None
+
+  @nn.compact
+  def __call__(self, x):
+    n, t, c = x.shape
+    qkv = nn.Dense(3 * c, dtype=self.dtype, kernel_init=xavier_uniform, bias_init=zeros,
+                   name="qkv")(x)
+    qkv = qkv.reshape(n, t, 3, self.num_heads, c // self.num_heads)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    out = jax.nn.dot_product_attention(q, k, v, implementation=self.implementation)
+    return nn.Dense(c, dtype=self.dtype, kernel_init=self.proj_init, bias_init=zeros,
+                    name="proj")(out.reshape(n, t, c))
+
+
+class Mlp(nn.Module):
+  """fc1 -> GELU -> fc2 (timm Mlp). ``approximate_gelu`` selects tanh (SiT) or exact erf (MAE)."""
+  hidden: int
+  approximate_gelu: bool
+  dtype: Dtype = jnp.float32
+  fc2_init: Callable = xavier_uniform
+
+  @nn.compact
+  def __call__(self, x):
+    c = x.shape[-1]
+    h = nn.Dense(self.hidden, dtype=self.dtype, kernel_init=xavier_uniform, bias_init=zeros,
+                 name="fc1")(x)
+    h = nn.gelu(h, approximate=self.approximate_gelu)
+    return nn.Dense(c, dtype=self.dtype, kernel_init=self.fc2_init, bias_init=zeros, name="fc2")(h)
+
+
+class PatchEmbed(nn.Module):
+  """Non-overlapping ``p x p`` patches of an ``(N, H, W, C)`` image -> ``(N, (H/p)(W/p), D)``.
+
+  Tokens are in row-major order (row = h, col = w), as the official timm PatchEmbed.
+  """
+  dim: int
+  patch_size: int
+  bias_init: Callable = zeros
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    p = self.patch_size
+    y = nn.Conv(self.dim, (p, p), strides=(p, p), padding="VALID", dtype=self.dtype,
+                kernel_init=patch_kernel_init, bias_init=self.bias_init, name="proj")(x)
+    return y.reshape(y.shape[0], -1, self.dim)
+
+
+def patchify(imgs, p: int):
+  """``(N, H, W, C)`` -> ``(N, (H/p)(W/p), p*p*C)``, per-patch order (row, col, channel).
+
+  This is the layout of the MAE loss target and of the SiT output, not the conv-weight order.
+  """
+  n, h, w, c = imgs.shape
+  x = imgs.reshape(n, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5)
+  return x.reshape(n, (h // p) * (w // p), p * p * c)
+
+
+def unpatchify(x, p: int, h: int, w: int, c: int):
+  """Inverse of ``patchify``: ``(N, (h/p)(w/p), p*p*c)`` -> ``(N, h, w, c)``."""
+  n = x.shape[0]
+  x = x.reshape(n, h // p, w // p, p, p, c).transpose(0, 1, 3, 2, 4, 5)
+  return x.reshape(n, h, w, c)
+
+
+def remat(block_cls, policy: str):
+  """Wraps a Linen block class for rematerialisation: 'none', 'full' or 'dots' (save matmuls)."""
+  if policy == "none":
+    return block_cls
+  if policy == "full":
+    return nn.remat(block_cls, prevent_cse=False)
+  return nn.remat(block_cls, prevent_cse=False,
+                  policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+
+
+def scan_blocks(block_cls, depth: int, in_axes, remat_policy: str = "none"):
+  """``nn.scan`` over ``depth`` stacked copies of ``block_cls`` (parameters get a leading axis).
+
+  Scanning keeps compile time flat in depth, which matters on pods and in CI. Per-layer constants
+  (the decay coefficients) and per-layer inputs enter as scanned arrays ``xs``. Sown
+  ``'intermediates'`` (branch norms, only when the caller makes them mutable) get the layer axis too.
+  """
+  return nn.scan(remat(block_cls, remat_policy), variable_axes={"params": 0, "intermediates": 0},
+                 split_rngs={"params": True}, in_axes=in_axes, length=depth)

@@ -1,1 +1,0 @@
-"""Command-line tools around training: latent extraction (``python -m decay_jax.tools.extract_latents``)."""

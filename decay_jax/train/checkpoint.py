@@ -1,0 +1,169 @@
+"""Saving and loading parameters with orbax, together with the model's fields (``models.factory``).
+
+A params directory holds ``params/`` (an orbax StandardCheckpointer tree) and ``model.json`` (the
+model class and its fields), so a converted checkpoint can be rebuilt without knowing its preset.
+The decay schedule is rebuilt from ``alpha_min`` and friends: it is never stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, List, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+import ml_collections
+
+from decay_jax import sharding as shd
+from decay_jax.models import factory
+from decay_jax.train import config as config_lib
+
+def save_params(directory: str, params: Any, model) -> None:
+  directory = os.path.abspath(directory)
+  os.makedirs(directory, exist_ok=True)
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(os.path.join(directory, "params"), params, force=True)
+  with open(os.path.join(directory, "model.json"), "w") as f:
+    json.dump({"class": type(model).__name__, "fields": factory.model_fields(model)}, f, indent=1)
+
+
+def load_params(directory: str) -> Tuple[Any, Any]:
+  """Returns ``(model, params)`` saved by ``save_params`` (params restored on the default device)."""
+  directory = os.path.abspath(directory)
+  with open(os.path.join(directory, "model.json")) as f:
+    meta = json.load(f)
+  model = factory.model_from_fields(meta["class"], meta["fields"])
+  with ocp.StandardCheckpointer() as ckptr:
+    params = ckptr.restore(os.path.join(directory, "params"))
+  return model, jax.tree_util.tree_map(jnp.asarray, params)
+
+
+# ------------------------------------------------------------------------------------------------
+# Training checkpoints: the whole train state plus a JSON record, managed by orbax.
+# ------------------------------------------------------------------------------------------------
+
+
+class RunCheckpoints:
+  """Checkpoints of a training run under ``workdir/checkpoints``.
+
+  Each step directory holds ``state`` (params, optimiser state, step, rng key data; restored onto
+  whatever mesh the caller gives) and ``meta`` (JSON: step, examples seen, config). Keeps the last
+  ``keep`` plus every ``keep_every_steps``-th. Saves are asynchronous: training continues while the
+  files are written; orbax commits a step atomically, so a crash never leaves a half-written
+  checkpoint behind as the latest one.
+  """
+
+  def __init__(self, workdir: str, keep: int = 3, keep_every_steps: int = 0,
+               async_save: bool = True):
+    policies = [ocp.checkpoint_managers.LatestN(keep)]
+    if keep_every_steps > 0:
+      policies.append(ocp.checkpoint_managers.EveryNSteps(keep_every_steps))
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
+        enable_async_checkpointing=async_save, create=True)
+    self.manager = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
+                                         options=options, item_names=("state", "meta"))
+
+  def latest_step(self):
+    return self.manager.latest_step()
+
+  def save(self, step: int, state: Any, meta: dict) -> None:
+    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                    meta=ocp.args.JsonSave(meta)), force=True)
+
+  def restore(self, step: int, abstract_state: Any, shardings: Any) -> Tuple[Any, dict]:
+    """Restores ``step`` with each array placed by ``shardings`` (any device count)."""
+    target = jax.tree_util.tree_map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
+    out = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+    return out["state"], out["meta"]
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading a finished (or running) training workdir: its config and one set of weights.
+# ------------------------------------------------------------------------------------------------
+
+
+def _overlay(base, saved: dict) -> None:
+  """Writes the values of a saved (JSON) config into ``base``, recursing into sections."""
+  for key, value in saved.items():
+    current = base.get(key) if key in base else None
+    if isinstance(value, dict) and hasattr(current, "items"):
+      _overlay(current, value)
+      continue
+    if isinstance(value, list) and isinstance(current, tuple):
+      value = tuple(value)
+    try:
+      base[key] = value
+    except TypeError:  # the saved type differs from today's default: the saved value wins
+      del base[key]
+      base[key] = value
+
+
+def run_config(workdir: str, task: Optional[str] = None):
+  """The config a run was trained with (``workdir/config.json``) over today's task defaults.
+
+  Fields added to the code after the run take today's defaults. ``task`` ('mae' or 'sit')
+  rejects runs of the other task with a one-line error.
+  """
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise ValueError(f"workdir={workdir!r} is not allowed; it has no config.json (not a run of "
+                     "decay_jax.main or decay_jax.cli.compare)")
+  with open(path) as f:
+    saved = json.load(f)
+  if task is not None and saved.get("task") != task:
+    raise ValueError(f"workdir={workdir!r} is not allowed; its task is {saved.get('task')!r}, "
+                     f"this command needs {task!r}")
+  base = config_lib.mae_config() if saved.get("task") == "mae" else config_lib.sit_config()
+  _overlay(base, saved)
+  return ml_collections.ConfigDict(base.to_dict())
+
+
+def checkpoint_steps(workdir: str) -> List[int]:
+  """Committed checkpoint steps of a run (orbax writes temporary names until a step is done)."""
+  root = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(root):
+    return []
+  return sorted(int(d) for d in os.listdir(root) if d.isdigit())
+
+
+def restore_run_params(workdir: str, mesh, step: int = -1, weights: str = "params"):
+  """``(weights, step)`` of a training checkpoint (``params`` or ``ema``), placed on ``mesh``.
+
+  Only that subtree is read (orbax partial restore), so the optimiser state is never needed.
+  """
+  steps = checkpoint_steps(workdir)
+  if not steps:
+    raise ValueError(f"workdir={workdir!r} is not allowed; it has no checkpoint in checkpoints/")
+  step = steps[-1] if step < 0 else step
+  if step not in steps:
+    raise ValueError(f"step={step} is not allowed; {workdir!r} has steps {steps}")
+  path = os.path.join(workdir, "checkpoints", str(step), "state")
+  with ocp.StandardCheckpointer() as ckptr:
+    meta = ckptr.metadata(path).item_metadata
+  if weights not in meta:
+    raise ValueError(f"weights={weights!r} is not allowed; the checkpoint holds "
+                     f"{sorted(meta.keys())}")
+  abstract = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype),
+                                    dict(meta[weights]))
+  shardings = shd.param_shardings(abstract, mesh)
+  target = {weights: jax.tree_util.tree_map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)}
+  ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+  out = ckptr.restore(path, args=ocp.args.PyTreeRestore(
+      item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+      partial_restore=True))
+  return out[weights], step

@@ -1,0 +1,75 @@
+"""When the trainer runs its evaluators, and the fixed batch of images for monitoring pictures.
+
+The trainer receives the evaluators as a function ``(config, model, mesh) -> {name: evaluator}``
+(``decay_jax.evals.registry.build`` for the representation evaluators) and never imports their
+classes. An evaluator needs ``every_steps`` (0 = only at the end of training) and
+``run(params) -> {name: float}``; ``summary(scalars) -> str`` (one short console line) is used when
+it has one. The full dictionaries go to TensorBoard and metrics.jsonl, not to the console.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, Optional
+
+import jax.numpy as jnp
+
+from decay_jax.data import pipeline
+
+MakeEvaluators = Callable[[Any, Any, Any], Dict[str, Any]]
+
+
+def compact(scalars: Dict[str, float], limit: int = 6, width: int = 160) -> str:
+  """``a 0.123, b 4.56, ... (+N more)``: the first scalars at 4 significant digits, at most
+  ``limit`` of them and about ``width`` characters (the console line of an evaluator without
+  ``summary``)."""
+  items = []
+  for k, v in scalars.items():
+    item = f"{k} {float(v):.4g}"
+    if len(items) == limit or (items and sum(len(i) + 2 for i in items) + len(item) > width):
+      break
+    items.append(item)
+  more = len(scalars) - len(items)
+  return ", ".join(items) + (f" (+{more} more)" if more > 0 else "")
+
+
+class Evaluators:
+  """The evaluators of one run, plus a fixed batch of images for the monitoring pictures."""
+
+  def __init__(self, evaluators: Dict[str, Any], pictures: Optional[Dict[str, Any]]):
+    self.evaluators = evaluators
+    self._pictures = pictures
+
+  def picture_batch(self):
+    return self._pictures
+
+  @staticmethod
+  def _due(e, step: int, last: bool) -> bool:
+    return last or bool(e.every_steps and step % e.every_steps == 0)
+
+  def due(self, step: int, last: bool) -> bool:
+    return any(self._due(e, step, last) for e in self.evaluators.values())
+
+  def run(self, params, step: int, last: bool) -> Dict[str, float]:
+    out = {}
+    for name, e in self.evaluators.items():
+      if self._due(e, step, last):
+        res = e.run(params)
+        line = e.summary(res) if hasattr(e, "summary") else f"{name}: {compact(res)}"
+        logging.info("eval at step %d: %s", step, line)
+        out.update(res)
+    return out
+
+
+def make(config, model, mesh, make_evaluators: Optional[MakeEvaluators]) -> Evaluators:
+  """The run's evaluators (none without ``make_evaluators``) and its picture batch."""
+  evaluators = make_evaluators(config, model, mesh) if make_evaluators is not None else {}
+  pictures = None
+  if config.picture_every_steps:
+    split = config.evals.knn.eval_split if "knn" in config.evals else config.data.eval_split
+    try:
+      arrays = pipeline.load_eval_arrays(config.data, split)
+      pictures = {k: jnp.asarray(v[:8]) for k, v in arrays.items()}
+    except ValueError as e:  # a dataset without that split still trains; it just has no pictures
+      logging.warning("no monitoring pictures: %s", e)
+  return Evaluators(evaluators, pictures)

@@ -1,0 +1,1 @@
+"""Research projects built on decay-jax, beside the library (not part of the installed package)."""

@@ -1,0 +1,141 @@
+"""The package's layering, read from its source: no import cycles, no function-level imports of its
+own modules, and every import pointing down the layers (``docs/layout.md``).
+
+Layers, bottom up: the base modules (validate, sharding, logs, plots), models, data, diffusion,
+train, evals, io, cli. A layer imports only the layers its row allows below; evals never import
+train, and train never imports evals (the trainer is handed its evaluators).
+"""
+
+import ast
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(REPO, "decay_jax")
+OWN = ("decay_jax", "research")
+BASE = {"validate", "sharding", "logs", "plots", "__init__"}
+# layer -> the layers (besides the base modules and itself) it may import
+ALLOWED = {
+    "base": set(),
+    "models": set(),
+    "data": {"models"},
+    "diffusion": {"models"},
+    "train": {"models", "data", "diffusion"},
+    "evals": {"models", "data", "diffusion"},
+    "io": {"models", "train"},
+    "cli": {"models", "data", "diffusion", "train", "evals", "io"},
+}
+
+
+def _modules():
+  """``{dotted name: path}`` of every module of the package (packages as their ``__init__``)."""
+  out = {}
+  for root, _, files in os.walk(PACKAGE):
+    for f in files:
+      if f.endswith(".py"):
+        rel = os.path.relpath(os.path.join(root, f), REPO)[:-3].replace(os.sep, ".")
+        out[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(root, f)
+  return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str):
+  """The package module an import of ``name`` loads (a submodule, or the nearest package)."""
+  while name and name not in MODULES:
+    name = name.rpartition(".")[0]
+  return name or None
+
+
+def _imports(path: str):
+  """``[(target module, lineno, at module level)]`` of the package's own imports in ``path``."""
+  tree = ast.parse(open(path).read(), path)
+  top = {id(n) for n in tree.body}
+  out = []
+  for node in ast.walk(tree):
+    names = []
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      names = [f"{node.module}.{a.name}" for a in node.names] or [node.module]
+    for n in names:
+      if n.split(".")[0] in OWN:
+        out.append((n, node.lineno, id(node) in top))
+  return out
+
+
+def _layer(module: str) -> str:
+  parts = module.split(".")
+  if len(parts) == 1 or parts[1] in BASE or parts[1] == "main":
+    return "cli" if parts[-1] == "main" else "base"
+  return parts[1]
+
+
+GRAPH = {m: {} for m in MODULES}
+FUNCTION_LEVEL = []
+for _m, _path in MODULES.items():
+  for _name, _line, _top in _imports(_path):
+    if _name.startswith("research"):
+      GRAPH[_m][_name] = _line
+      continue
+    target = _resolve(_name)
+    if not _top:
+      FUNCTION_LEVEL.append(f"{os.path.relpath(_path, REPO)}:{_line} imports {_name} in a function")
+    if target and target != _m:
+      GRAPH[_m][target] = _line
+
+
+def test_layers_are_known():
+  assert {_layer(m) for m in MODULES} <= set(ALLOWED), sorted({_layer(m) for m in MODULES})
+  assert len(MODULES) > 40  # the walk found the package
+  assert sum(map(len, GRAPH.values())) > 100  # and its imports
+
+
+def test_no_function_level_imports_of_own_modules():
+  assert not FUNCTION_LEVEL, "\n".join(FUNCTION_LEVEL)
+
+
+def test_the_package_never_imports_research():
+  bad = [f"{m} imports {t}" for m, ts in GRAPH.items() for t in ts if t.startswith("research")]
+  assert not bad, bad
+
+
+def test_no_import_cycles():
+  """Depth-first search over module-level imports; reports the first cycle as a path."""
+  state, stack = {}, []
+
+  def visit(m):
+    state[m] = "open"
+    stack.append(m)
+    for t in GRAPH[m]:
+      if t not in GRAPH:
+        continue
+      if state.get(t) == "open":
+        return stack[stack.index(t):] + [t]
+      if t not in state and (cycle := visit(t)):
+        return cycle
+    stack.pop()
+    state[m] = "done"
+    return None
+
+  for m in sorted(GRAPH):
+    if m not in state and (cycle := visit(m)):
+      pytest.fail("import cycle: " + " -> ".join(cycle))
+
+
+def test_imports_point_down_the_layers():
+  bad = []
+  for m, targets in GRAPH.items():
+    lm = _layer(m)
+    for t, line in targets.items():
+      lt = _layer(t) if not t.startswith("research") else "research"
+      if lt not in ("base", lm) and lt not in ALLOWED[lm]:
+        bad.append(f"{MODULES[m][len(REPO) + 1:]}:{line}: {lm} imports {lt} ({t})")
+  assert not bad, "\n".join(bad)
+
+
+def test_the_package_root_imports_nothing():
+  """``import decay_jax`` is free: no submodule, no environment change (see test_packaging)."""
+  assert GRAPH["decay_jax"] == {}
