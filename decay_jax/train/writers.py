@@ -27,19 +27,8 @@ def console_line(scalars, keys=CONSOLE_KEYS) -> str:
   return ", ".join(f"{k}={float(scalars[k]):.4g}" for k in keys if k in scalars)
 
 
-class ConsoleWriter(metric_writers.MetricWriter):
-  """The console part of the writer: one short line of headline scalars per scalar write.
-
-  clu's LoggingWriter logs every scalar of a write (6 digits, sorted by name: the rank pass alone
-  is 48 values) and a ``Got images: {...}`` line per picture. This writer logs only
-  ``CONSOLE_KEYS`` at 4 significant digits and nothing for images, histograms, texts, ...: those
-  go to TensorBoard (and scalars to metrics.jsonl) only.
-  """
-
-  def write_scalars(self, step, scalars):
-    line = console_line(scalars)
-    if line:
-      logging.info("[%d] %s", step, line)
+class _ScalarsOnly(metric_writers.MetricWriter):
+  """A writer of scalars only: every other kind of summary is TensorBoard's alone."""
 
   def write_summaries(self, step, values, metadata=None):
     pass
@@ -62,6 +51,21 @@ class ConsoleWriter(metric_writers.MetricWriter):
   def write_hparams(self, hparams):
     pass
 
+
+class ConsoleWriter(_ScalarsOnly):
+  """The console part of the writer: one short line of headline scalars per scalar write.
+
+  clu's LoggingWriter logs every scalar of a write (6 digits, sorted by name: the rank pass alone
+  is 48 values) and a ``Got images: {...}`` line per picture. This writer logs only
+  ``CONSOLE_KEYS`` at 4 significant digits and nothing for images, histograms, texts, ...: those
+  go to TensorBoard (and scalars to metrics.jsonl) only.
+  """
+
+  def write_scalars(self, step, scalars):
+    line = console_line(scalars)
+    if line:
+      logging.info("[%d] %s", step, line)
+
   def flush(self):
     logging.flush()
 
@@ -69,7 +73,7 @@ class ConsoleWriter(metric_writers.MetricWriter):
     self.flush()
 
 
-class JsonlWriter(metric_writers.MetricWriter):
+class JsonlWriter(_ScalarsOnly):
   """Appends scalars to ``workdir/metrics.jsonl``; other summaries are left to TensorBoard."""
 
   def __init__(self, workdir: str):
@@ -88,27 +92,6 @@ class JsonlWriter(metric_writers.MetricWriter):
 
   def close(self):
     self._file.close()
-
-  def write_summaries(self, step, values, metadata=None):
-    pass
-
-  def write_images(self, step, images):
-    pass
-
-  def write_videos(self, step, videos):
-    pass
-
-  def write_audios(self, step, audios, *, sample_rate):
-    pass
-
-  def write_texts(self, step, texts):
-    pass
-
-  def write_histograms(self, step, arrays, num_buckets=None):
-    pass
-
-  def write_hparams(self, hparams):
-    pass
 
 
 def read_scalars(workdir: str, key: str) -> List[Tuple[int, float]]:
