@@ -9,11 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-from decay_jax.train import checkpoint as ckpt_lib
-from decay_jax.evals import suite
 from decay_jax import sharding as shd
-from decay_jax.evals import registry
+from decay_jax.evals import registry, suite
 from decay_jax.train import trainer
+from decay_jax.train import checkpoint as ckpt_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decay_jax.models import factory
-from decay_jax.models import flops
-from decay_jax.models import routing, sit as sit_lib
+from decay_jax.models import factory, flops, routing
+from decay_jax.models import sit as sit_lib
 from decay_jax.models.blocks import SiTBlock
+from decay_jax.train import optim, trainer
 from decay_jax.train import config as config_lib
-from decay_jax.train import optim, step as step_lib, trainer
+from decay_jax.train import step as step_lib
 from test_sit_train import tiny_sit_config
 from testing_configs import REPO, load_config, override
 

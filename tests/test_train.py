@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from decay_jax.models import factory
-from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax import sharding as shd
-from decay_jax.train import config as config_lib
 from decay_jax.evals import registry
-from decay_jax.train import optim, step as step_lib, trainer
+from decay_jax.models import factory
+from decay_jax.train import optim, trainer
+from decay_jax.train import checkpoint as ckpt_lib
+from decay_jax.train import config as config_lib
+from decay_jax.train import step as step_lib
 from testing_configs import load_config, override
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

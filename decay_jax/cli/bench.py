@@ -38,12 +38,11 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from decay_jax.models import flops
-from decay_jax.cli import memory  # noqa: E402
 from decay_jax import sharding as shd  # noqa: E402
+from decay_jax.cli import memory  # noqa: E402
+from decay_jax.models import flops  # noqa: E402
 from decay_jax.train import config as config_lib  # noqa: E402
 from decay_jax.train import step as step_lib  # noqa: E402
-from decay_jax.models import routing
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _TASK = flags.DEFINE_enum("task", "mae", ["mae", "sit"], "Without --config: the task's defaults.")

@@ -15,6 +15,7 @@ import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
 from decay_jax import logs
 from decay_jax.evals import registry
 from decay_jax.train import trainer

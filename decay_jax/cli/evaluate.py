@@ -33,14 +33,13 @@ from typing import Optional
 
 from absl import app, flags
 from ml_collections import config_flags
-from decay_jax.train import checkpoint as ckpt_lib
-from decay_jax import sharding as shd
-from decay_jax.evals import suite
-from decay_jax.evals import registry
-from decay_jax import logs
-from decay_jax.evals import report, suite
 
-EVALS = ("knn", "linear", "layers", "rank")
+from decay_jax import logs
+from decay_jax import sharding as shd
+from decay_jax.evals import registry, report, suite
+from decay_jax.train import checkpoint as ckpt_lib
+
+EVALS = tuple(registry.EVALUATORS)
 WEIGHTS = ("params", "ema")
 
 _CONFIG = config_flags.DEFINE_config_file(

@@ -39,11 +39,11 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 from PIL import Image
-from decay_jax.evals.generation import IMAGE_EXTENSIONS, list_images
-from decay_jax.train import checkpoint
+
 from decay_jax import logs
-from decay_jax.evals.generation import Progress
 from decay_jax.data import latents as latents_lib
+from decay_jax.evals.generation import IMAGE_EXTENSIONS, list_images, Progress
+from decay_jax.train import checkpoint
 
 META_KEYS = ("image_size", "scale", "shard_size", "num_images", "seed", "split", "latent_shape")
 

@@ -23,9 +23,10 @@ import json
 import os
 import sys
 from typing import Optional, Sequence
+
+from decay_jax import logs
 from decay_jax.evals import generation as gen
 from decay_jax.train import checkpoint
-from decay_jax import logs
 
 
 def _stats(path: str, model, params, batch_size: int, what: str):

@@ -35,12 +35,12 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from decay_jax.models import factory
-from decay_jax.models import layers
 from decay_jax import sharding as shd
 from decay_jax.data import pipeline
+from decay_jax.models import factory, layers
+from decay_jax.train import optim, tasks
 from decay_jax.train import config as config_lib
-from decay_jax.train import optim, step as step_lib, tasks
+from decay_jax.train import step as step_lib
 
 GIB = 2 ** 30
 # Device memory sizes of the "fits" column (GB = 10^9 bytes): 16 GB (V100/T4 class), 80 GB

@@ -27,15 +27,13 @@ import sys
 import time
 
 from absl import app, flags, logging
-from decay_jax import validate
-from decay_jax.diffusion import samplers
-from decay_jax.models import schedules
-from decay_jax.train import checkpoint
-from decay_jax.data import latents as latents_lib
-from decay_jax import logs
+
+from decay_jax import logs, validate
 from decay_jax import sharding as shd
+from decay_jax.data import latents as latents_lib
+from decay_jax.diffusion import samplers
 from decay_jax.evals import generation
-from decay_jax.train import tasks, trainer
+from decay_jax.train import checkpoint, tasks, trainer
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (config.json + checkpoints/).")
 _STEP = flags.DEFINE_integer("step", -1, "Checkpoint step (-1: newest).")

@@ -29,7 +29,6 @@ neighbour is in the top-k of its own shard. With one device this is the plain si
 from __future__ import annotations
 
 import functools
-import math
 from typing import Sequence
 
 import jax

@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from decay_jax.models import layers
 from decay_jax.models import mae as mae_lib
 from decay_jax.models import sit as sit_lib
 from decay_jax.train import checkpoint

@@ -79,7 +79,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from decay_jax import validate
-from decay_jax.models import layers, schedules
+from decay_jax.models import layers
 from decay_jax.models.layers import Dtype
 from decay_jax.models.blocks import decayed_update, modulate
 

@@ -7,7 +7,6 @@ The decay schedule is rebuilt from ``alpha_min`` and friends: it is never stored
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Any, List, Optional, Tuple

@@ -21,14 +21,14 @@ from absl import logging
 from clu import periodic_actions
 from PIL import Image
 
-from decay_jax.models import factory
-from decay_jax.train import checkpoint as ckpt_lib
-from decay_jax.models import flops
 from decay_jax import logs
 from decay_jax import sharding as shd
 from decay_jax.data import pipeline
+from decay_jax.models import factory, flops
+from decay_jax.train import evaluation, optim, tasks, writers
+from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import config as config_lib
-from decay_jax.train import evaluation, optim, step as step_lib, tasks, writers
+from decay_jax.train import step as step_lib
 
 
 class NonFiniteLossError(FloatingPointError):

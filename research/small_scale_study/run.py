@@ -36,10 +36,10 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from research.small_scale_study import study as study_lib
 from decay_jax import logs
-from decay_jax.train import trainer
 from decay_jax import sharding as shd
+from decay_jax.train import trainer
+from research.small_scale_study import study as study_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Base config of every arm.",
                                           lock_config=True)

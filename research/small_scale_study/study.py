@@ -15,14 +15,12 @@ from typing import Any, Dict, List, Sequence
 from absl import logging
 
 from decay_jax import plots
-from decay_jax.models.schedules import UNSCHEDULED_FORMS
-from decay_jax.train import config as config_lib
-from decay_jax.train import writers
-from decay_jax.evals import registry
-from decay_jax.train import trainer
 from decay_jax.data import pipeline
+from decay_jax.evals import registry, suite
+from decay_jax.models.schedules import UNSCHEDULED_FORMS
+from decay_jax.train import trainer, writers
 from decay_jax.train import checkpoint as ckpt_lib
-from decay_jax.evals import suite
+from decay_jax.train import config as config_lib
 
 ALPHAS = (0.6, 0.7, 0.8, 0.9, 1.0)
 OFFICIAL_BLR = 1.5e-4  # docs/official_code.md 2.3: lr = blr * batch / 256
