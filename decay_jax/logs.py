@@ -46,19 +46,30 @@ def cpu_malloc_hint(backend: str, environ=None) -> str | None:
 HEADLINE = ("step", "loss", "knn/top1", "knn/top5", "preempted")
 
 
-def compact_results(results: dict, limit: int = 8, width: int = 170) -> str:
-  """A run's final metrics on one short line: the ``HEADLINE`` keys first, then the others
-  without per-block curves (``.../block_NN``), at most ``limit`` entries and about ``width``
-  characters, numbers at 4 significant digits; the rest is counted (results.json has it all)."""
-  first = [k for k in HEADLINE if k in results]
-  rest = [k for k in results if k not in first and "/block_" not in k]
+def compact(values: dict, first=(), limit: int = 6, width: int = 160, skip: str = "",
+            more: str = "more") -> str:
+  """``a 0.123, b 4.56, ... (+N more)``: ``values`` on one short line.
+
+  The ``first`` keys lead (when present), then the others in order, leaving out keys that contain
+  ``skip``; at most ``limit`` entries and about ``width`` characters; non-integer numbers at 4
+  significant digits. What is left out is counted at the end.
+  """
+  head = [k for k in first if k in values]
+  keys = head + [k for k in values if k not in head and not (skip and skip in k)]
   items = []
-  for k in first + rest:
-    v = results[k]
+  for k in keys:
+    v = values[k]
     real = isinstance(v, numbers.Real) and not isinstance(v, numbers.Integral)
     item = (f"{k} {v:.4g}" if real else f"{k} {v}")[:width]
     if len(items) == limit or (items and sum(len(i) + 2 for i in items) + len(item) > width):
       break
     items.append(item)
-  more = len(results) - len(items)
-  return ", ".join(items) + (f" (+{more} more in results.json)" if more > 0 else "")
+  left = len(values) - len(items)
+  return ", ".join(items) + (f" (+{left} {more})" if left > 0 else "")
+
+
+def compact_results(results: dict) -> str:
+  """A run's final metrics on one line: ``HEADLINE`` first, no per-block curves (``/block_NN``),
+  at most 8 entries and about 170 characters (results.json has them all)."""
+  return compact(results, HEADLINE, limit=8, width=170, skip="/block_",
+                 more="more in results.json")

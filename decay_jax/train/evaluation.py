@@ -14,23 +14,15 @@ from typing import Any, Callable, Dict, Optional
 
 import jax.numpy as jnp
 
+from decay_jax import logs
 from decay_jax.data import pipeline
 
 MakeEvaluators = Callable[[Any, Any, Any], Dict[str, Any]]
 
 
-def compact(scalars: Dict[str, float], limit: int = 6, width: int = 160) -> str:
-  """``a 0.123, b 4.56, ... (+N more)``: the first scalars at 4 significant digits, at most
-  ``limit`` of them and about ``width`` characters (the console line of an evaluator without
-  ``summary``)."""
-  items = []
-  for k, v in scalars.items():
-    item = f"{k} {float(v):.4g}"
-    if len(items) == limit or (items and sum(len(i) + 2 for i in items) + len(item) > width):
-      break
-    items.append(item)
-  more = len(scalars) - len(items)
-  return ", ".join(items) + (f" (+{more} more)" if more > 0 else "")
+def compact(scalars: Dict[str, float]) -> str:
+  """The console line of an evaluator without ``summary``: its first scalars (``logs.compact``)."""
+  return logs.compact({k: float(v) for k, v in scalars.items()})
 
 
 class Evaluators:
