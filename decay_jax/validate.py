@@ -7,7 +7,7 @@ read, compiled or written; the message format is ``FIELD=VALUE is not allowed; W
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -86,3 +86,35 @@ def check_pair(field: str, value, at_most_one: bool) -> Tuple[float, float]:
 def prefixed(prefix: str, error: ValueError) -> ValueError:
   """The same one-line error with its field named from the config root (``model.alpha_min=...``)."""
   return ValueError(f"{prefix}{error}")
+
+
+def frozen(value):
+  """``(type, value)``, recursively for lists and tuples, so that equal-looking values of different
+  types (``1``, ``1.0``, ``True``) are different keys; TypeError if ``value`` is unhashable."""
+  if isinstance(value, (list, tuple)):
+    return type(value), tuple(frozen(v) for v in value)
+  hash(value)
+  return type(value), value
+
+
+_PASSED: Dict[tuple, None] = {}  # keys of the checks that passed, oldest first
+_MAX_PASSED = 1024
+
+
+def check_once(check: Callable[[], None], key) -> None:
+  """Runs ``check()`` unless it already passed for ``key`` in this process.
+
+  ``key`` names the check and what it reads (e.g. ``frozen`` field values); ``None`` or an
+  unhashable key runs the check every time, and a check that fails is never remembered. The newest
+  1,024 keys are kept.
+  """
+  try:
+    if key is not None and key in _PASSED:
+      return
+  except TypeError:
+    key = None
+  check()
+  if key is not None:
+    if len(_PASSED) >= _MAX_PASSED:
+      del _PASSED[next(iter(_PASSED))]
+    _PASSED[key] = None

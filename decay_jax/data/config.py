@@ -1,7 +1,8 @@
 """The data config: its defaults and the checks of its fields (no image is read before these pass).
 
-Field checks run once per distinct config: ``check_fields`` remembers the (type, value) of the
-checked fields of every config that passed, so each entry point calls it and only the first pays.
+Field checks run once per distinct config: ``check_fields`` remembers (``validate.check_once``) the
+type and value of the checked fields of every config that passed, so each entry point calls it and
+only the first pays.
 
 Everything is driven by one ``ml_collections.ConfigDict`` (start from ``default_data_config()``):
 
@@ -28,7 +29,7 @@ Everything is driven by one ``ml_collections.ConfigDict`` (start from ``default_
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional
+from typing import Optional
 
 import ml_collections
 
@@ -43,11 +44,9 @@ EVAL_RESIZE = ("resize_crop", "resize")
 EMBEDDED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "embedded")
 EMBEDDED_NPZ = os.path.join(EMBEDDED_DIR, "mnist_10k.npz")
 
-# The fields check_fields reads, and the keys of the configs that passed (oldest first).
+# The fields check_fields reads (its memory, ``validate.check_once``, is keyed by their values).
 _CHECKED_FIELDS = ("image_size", "crop_scale", "crop_ratio", "flip", "normalize", "eval_resize",
                    "shuffle_buffer", "max_eval_examples", "dataset")
-_MAX_PASSED = 256
-_passed: Dict[tuple, None] = {}
 
 
 def default_data_config() -> ml_collections.ConfigDict:
@@ -73,18 +72,11 @@ def default_data_config() -> ml_collections.ConfigDict:
   })
 
 
-def _freeze(value):
-  """``(type, value)``, recursively for lists and tuples; TypeError if ``value`` is unhashable."""
-  if isinstance(value, (list, tuple)):
-    return type(value), tuple(_freeze(v) for v in value)
-  hash(value)
-  return type(value), value
-
-
 def _key(cfg) -> Optional[tuple]:
   """What the checks depend on: the type and value of every checked field (None: not cacheable)."""
   try:
-    return tuple((field, _freeze(getattr(cfg, field))) for field in _CHECKED_FIELDS)
+    return ("data",) + tuple((field, validate.frozen(getattr(cfg, field)))
+                             for field in _CHECKED_FIELDS)
   except (AttributeError, KeyError, TypeError):
     return None  # A missing field or an unhashable value: check (and fail) every time.
 
@@ -107,14 +99,7 @@ def _check_fields_uncached(cfg: ml_collections.ConfigDict) -> None:
 
 def check_fields(cfg: ml_collections.ConfigDict) -> None:
   """Checks the fields that need no I/O, once per distinct config (see the module docstring)."""
-  key = _key(cfg)
-  if key is not None and key in _passed:
-    return
-  _check_fields_uncached(cfg)
-  if key is not None:
-    if len(_passed) >= _MAX_PASSED:
-      del _passed[next(iter(_passed))]
-    _passed[key] = None
+  validate.check_once(lambda: _check_fields_uncached(cfg), _key(cfg))
 
 
 def check_batch(global_batch, seed, start_step, process_index, process_count) -> None:

@@ -6,7 +6,6 @@ import dataclasses
 from typing import Callable
 
 import jax.numpy as jnp
-import numpy as np
 
 from decay_jax import validate
 from decay_jax.models import layers, schedules
@@ -34,26 +33,19 @@ def check_common(m) -> None:
   validate.check_choice("dtype", name, COMPUTE_DTYPES)
 
 
-_CHECKED = set()
-
-
 def check_once(m, check: Callable) -> None:
   """``check(m)`` the first time these field values are seen in this process.
 
   Flax re-runs ``__post_init__`` on every clone of a module (each init, apply and trace), so
   without this the fields of one model were checked dozens of times per run.
   """
-  key = (type(m).__name__, check.__name__,
-         tuple((f.name, getattr(m, f.name)) for f in dataclasses.fields(m)
-               if f.name not in ("parent", "name")))
   try:
-    seen = key in _CHECKED
+    key = (type(m).__name__, check.__name__) + tuple(
+        (f.name, validate.frozen(getattr(m, f.name))) for f in dataclasses.fields(m)
+        if f.name not in ("parent", "name"))
   except TypeError:  # an unhashable field value: check every time
-    check(m)
-    return
-  if not seen:
-    check(m)
-    _CHECKED.add(key)
+    key = None
+  validate.check_once(lambda: check(m), key)
 
 
 def from_preset(cls, presets: dict, preset: str, overrides: dict):

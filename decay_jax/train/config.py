@@ -12,7 +12,6 @@ import ml_collections as mlc
 
 from decay_jax import validate as validate_lib
 from decay_jax.data import pipeline
-from decay_jax.models import factory
 
 
 def _common(task: str) -> mlc.ConfigDict:
@@ -141,8 +140,8 @@ def steps_for(config, num_train: int):
 
 
 def validate(config) -> None:
-  """One-line errors for the training fields; the model checks its own (``models.factory``)."""
-  validate_lib.check_choice("task", config.task, factory.TASKS)
+  """One-line errors for the training fields; ``task`` and the model's fields are checked where the
+  model is built (``models.factory.build_model``)."""
   for name in ("batch_size", "accum_steps", "log_every_steps"):
     validate_lib.check_int(name, config[name])
   if config.batch_size % config.accum_steps:
