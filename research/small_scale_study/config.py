@@ -1,10 +1,11 @@
 """Small-scale study: MAE-tiny on 10,000 CIFAR-10 images (8,000 train, 2,000 held out).
 
 Command: python -m research.small_scale_study.run --config=research/small_scale_study/config.py \
-  --workdir=/tmp/study --grid=alpha   (--list shows the arms; grids in research/small_scale_study/study.py)
-Hardware: 2 CPU cores, fp32. Expected time: 80 min to 2 h per 30-epoch arm, 4-6 h per 100-epoch arm.
-Expected result (measured, one seed; research/small_scale_study/README.md): no decayed arm beats alpha_min 1.0
-by more than the noise; at 100 epochs last-block KNN 34.20 / 44.30 / 45.85% for alpha_min 0.6 / 0.8 / 1.0.
+  --workdir=/tmp/study --grid=alpha   (--list shows the arms; the grids are in study.py here)
+Hardware: 2 CPU cores, fp32.
+Expected time: 80 min to 2 h per 30-epoch arm, 4-6 h per 100-epoch arm.
+Expected result (measured, one seed; README.md here): no decayed arm beats alpha_min 1.0 by more
+than the noise; at 100 epochs last-block KNN 34.20 / 44.30 / 45.85% for alpha_min 0.6 / 0.8 / 1.0.
 """
 
 import os
