@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import io
 from typing import Optional, Tuple
+
+from decay_jax import paths
 
 
 @contextlib.contextmanager
@@ -18,7 +21,9 @@ def figure(path: str, rows: int = 1, cols: int = 1, size: Tuple[float, float] = 
   try:
     yield fig, axes
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    paths.write_bytes(path, buf.getvalue())  # local or gs://
   finally:
     plt.close(fig)
 

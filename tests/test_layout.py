@@ -14,7 +14,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "decay_jax")
 OWN = ("decay_jax", "research")
-BASE = {"validate", "sharding", "logs", "plots", "__init__"}
+BASE = {"validate", "sharding", "logs", "plots", "paths", "__init__"}
 # layer -> the layers (besides the base modules and itself) it may import
 ALLOWED = {
     "base": set(),

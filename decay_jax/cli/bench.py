@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from decay_jax import paths  # noqa: E402
 from decay_jax import sharding as shd  # noqa: E402
 from decay_jax.cli import memory  # noqa: E402
 from decay_jax.models import flops  # noqa: E402
@@ -166,8 +167,7 @@ def main(argv):
   for k, v in res.items():
     print(f"{k:>32}: {v}")
   if _OUT.value:
-    with open(_OUT.value, "a") as f:
-      f.write(json.dumps(res) + "\n")
+    paths.append_text(_OUT.value, json.dumps(res) + "\n")
   return 0
 
 

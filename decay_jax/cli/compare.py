@@ -8,15 +8,14 @@ Writes ``DIR/comparison.md`` (the table printed at the end, with the budget), ``
 and ``DIR/reconstructions.png`` (each arm's final reconstruction grid, one above the other).
 """
 
-import json
-import os
+import io
 import sys
 import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from decay_jax import logs
+from decay_jax import logs, paths
 from decay_jax.evals import registry
 from decay_jax.train import trainer
 
@@ -43,18 +42,19 @@ def table(rows, config) -> str:
   return "\n".join(lines)
 
 
-def stack_pictures(paths, out: str) -> None:
+def stack_pictures(pictures, out: str) -> None:
+  """One image of ``pictures`` (``[(path, label)]``) above each other, each under its label."""
   from PIL import Image, ImageDraw
-  ims = [Image.open(p).convert("RGB") for p, _ in paths]
+  ims = [Image.open(io.BytesIO(paths.resolve(p).read_bytes())).convert("RGB") for p, _ in pictures]
   label_h = 14
   w = max(i.width for i in ims)
   canvas = Image.new("RGB", (w, sum(i.height + label_h for i in ims)), "white")
   y = 0
-  for im, (_, label) in zip(ims, paths):
+  for im, (_, label) in zip(ims, pictures):
     ImageDraw.Draw(canvas).text((2, y), label, fill="black")
     canvas.paste(im, (0, y + label_h))
     y += im.height + label_h
-  canvas.save(out)
+  paths.save_png(out, canvas)
 
 
 def main(argv):
@@ -75,27 +75,24 @@ def main(argv):
   for a in alphas:
     cfg = base.copy_and_resolve_references()
     cfg.model.alpha_min = a
-    workdir = os.path.join(_WORKDIR.value, f"alpha_{a:g}")
+    workdir = paths.join(_WORKDIR.value, f"alpha_{a:g}")
     logging.info("=== arm alpha_min=%g -> %s", a, workdir)
     t0 = time.perf_counter()
     res = trainer.train_and_evaluate(cfg, workdir, evaluators=registry.build)
     info, model, _ = trainer.check_config(cfg)
     rows.append(dict(res, alpha_min=a, alpha_eff=model.shortcuts.alpha_eff,
                      seconds=time.perf_counter() - t0, workdir=workdir))
-    pics = sorted(os.listdir(os.path.join(workdir, "pictures"))) if os.path.isdir(
-        os.path.join(workdir, "pictures")) else []
+    picture_dir = paths.resolve(workdir) / "pictures"
+    pics = sorted(p.name for p in picture_dir.iterdir()) if picture_dir.is_dir() else []
     if pics:
-      pictures.append((os.path.join(workdir, "pictures", pics[-1]), f"alpha_min = {a:g}"))
+      pictures.append((str(picture_dir / pics[-1]), f"alpha_min = {a:g}"))
   text = table(rows, base)
-  os.makedirs(_WORKDIR.value, exist_ok=True)
-  with open(os.path.join(_WORKDIR.value, "comparison.md"), "w") as f:
-    f.write(text + "\n")
-  with open(os.path.join(_WORKDIR.value, "comparison.json"), "w") as f:
-    json.dump(rows, f, indent=1)
+  paths.write_text(paths.join(_WORKDIR.value, "comparison.md"), text + "\n")
+  paths.write_json(paths.join(_WORKDIR.value, "comparison.json"), rows)
   if pictures:
-    stack_pictures(pictures, os.path.join(_WORKDIR.value, "reconstructions.png"))
+    stack_pictures(pictures, paths.join(_WORKDIR.value, "reconstructions.png"))
   print("\n" + text + "\n")
-  print(f"tables and pictures in {os.path.abspath(_WORKDIR.value)}")
+  print(f"tables and pictures in {paths.resolve(_WORKDIR.value)}")
   return 0
 
 

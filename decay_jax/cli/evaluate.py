@@ -26,7 +26,6 @@ Writes ``OUT/evaluation.json``, ``OUT/report.md`` and the PNG plots; ``--out`` d
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Optional
@@ -34,7 +33,7 @@ from typing import Optional
 from absl import app, flags
 from ml_collections import config_flags
 
-from decay_jax import logs
+from decay_jax import logs, paths
 from decay_jax import sharding as shd
 from decay_jax.evals import registry, report, suite
 from decay_jax.train import checkpoint as ckpt_lib
@@ -60,10 +59,11 @@ def _models(mesh):
   """Yields ``(name, model, params, data_cfg, evals_cfg, source)`` for every requested model."""
   import jax
   given = _CONFIG.value
-  paths = [("workdir", p) for p in _WORKDIR.value] + [("checkpoint", p) for p in _CHECKPOINT.value]
-  labels = _NAMES.value or [os.path.basename(os.path.normpath(p)) for _, p in paths]
-  for (kind, path), label in zip(paths, labels):
-    path = os.path.abspath(path)
+  given_paths = ([("workdir", p) for p in _WORKDIR.value]
+                 + [("checkpoint", p) for p in _CHECKPOINT.value])
+  labels = _NAMES.value or [paths.resolve(p).name for _, p in given_paths]
+  for (kind, path), label in zip(given_paths, labels):
+    path = str(paths.resolve(path))
     if kind == "workdir":
       run_cfg = ckpt_lib.run_config(path, task="mae")
       params, step = ckpt_lib.restore_run_params(path, mesh, _STEP.value, _WEIGHTS.value)
@@ -81,20 +81,20 @@ def _models(mesh):
 
 def _check_flags() -> Optional[str]:
   """One line for the first bad flag, or None."""
-  paths = _WORKDIR.value + _CHECKPOINT.value
-  if not paths:
+  given_paths = _WORKDIR.value + _CHECKPOINT.value
+  if not given_paths:
     return "give --workdir=DIR or --checkpoint=PATH (comma-separated lists allowed)"
   if _CHECKPOINT.value and _CONFIG.value is None:
     return ("--checkpoint needs --config=FILE for its data and evaluator settings "
             "(e.g. configs/mae_vit_b16.py)")
-  if _NAMES.value and len(_NAMES.value) != len(paths):
-    return f"--names has {len(_NAMES.value)} labels for {len(paths)} models"
+  if _NAMES.value and len(_NAMES.value) != len(given_paths):
+    return f"--names has {len(_NAMES.value)} labels for {len(given_paths)} models"
   if len(set(_NAMES.value)) != len(_NAMES.value):
     return f"--names={_NAMES.value} must be distinct"
   bad = [e for e in _EVALS.value if e not in registry.EVALUATORS]
   if bad or not _EVALS.value:
     return f"--evals={_EVALS.value} is not allowed; choose from {', '.join(registry.EVALUATORS)}"
-  if _OUT.value is None and len(paths) > 1:
+  if _OUT.value is None and len(given_paths) > 1:
     return "--out=DIR is required with several models"
   if _CONFIG.value is not None and _CONFIG.value.task != "mae":
     return f"--config task={_CONFIG.value.task!r} is not allowed; the evaluators need 'mae'"
@@ -109,8 +109,8 @@ def main(argv):
     print(f"error: {error}", file=sys.stderr)
     return 2
   import jax
-  paths = _WORKDIR.value + _CHECKPOINT.value
-  out = os.path.abspath(_OUT.value or os.path.join(paths[0], "evaluation"))
+  first = (_WORKDIR.value + _CHECKPOINT.value)[0]
+  out = str(paths.resolve(_OUT.value or paths.join(first, "evaluation")))
   names = list(dict.fromkeys(_EVALS.value))
   records = []
   t0 = time.perf_counter()

@@ -30,8 +30,7 @@ is split over the local devices. Progress and ETA are printed.
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import io
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +39,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 from PIL import Image
 
-from decay_jax import logs
+from decay_jax import logs, paths
 from decay_jax.data import latents as latents_lib
 from decay_jax.evals.generation import IMAGE_EXTENSIONS, list_images, Progress
 from decay_jax.train import checkpoint
@@ -62,19 +61,20 @@ def center_crop_arr(pil_image: Image.Image, image_size: int) -> np.ndarray:
 
 
 def load_cropped(path: str, image_size: int) -> np.ndarray:
-  with Image.open(path) as im:
+  with Image.open(io.BytesIO(paths.resolve(path).read_bytes())) as im:
     return center_crop_arr(im.convert("RGB"), image_size)
 
 
 def list_labelled_images(directory: str) -> Tuple[List[str], np.ndarray, List[str]]:
   """``(files, labels, class_names)`` of an ImageFolder tree (or a flat folder: label 0)."""
-  if not os.path.isdir(directory):
+  root = paths.resolve(directory)
+  if not root.is_dir():
     raise ValueError(f"images={directory!r} is not allowed; the directory does not exist")
-  classes = sorted(d for d in os.listdir(directory) if os.path.isdir(os.path.join(directory, d)))
+  classes = sorted(d.name for d in root.iterdir() if d.is_dir())
   files, labels = [], []
   if classes:
     for i, c in enumerate(classes):
-      found = list_images(os.path.join(directory, c))
+      found = list_images(str(root / c))
       files += found
       labels += [i] * len(found)
   else:
@@ -88,8 +88,8 @@ def list_labelled_images(directory: str) -> Tuple[List[str], np.ndarray, List[st
 
 
 def shard_paths(out: str, split: str, index: int) -> Tuple[str, str]:
-  return (os.path.join(out, f"{split}_latents_{index:05d}.npy"),
-          os.path.join(out, f"{split}_labels_{index:05d}.npy"))
+  return (paths.join(out, f"{split}_latents_{index:05d}.npy"),
+          paths.join(out, f"{split}_labels_{index:05d}.npy"))
 
 
 def make_encoder(vae, mesh, seed: int):
@@ -141,7 +141,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name in ("batch_size", "shard_size", "workers", "image_size"):
       if getattr(a, name) < 1:
         raise ValueError(f"{name}={getattr(a, name)} is not allowed; it must be >= 1")
-    if not os.path.isfile(os.path.join(a.vae, "model.json")):
+    if not paths.exists(paths.join(a.vae, "model.json")):
       raise ValueError(f"vae={a.vae!r} is not allowed; it is not a converted VAE directory "
                        "(python -m decay_jax.io.convert_external vae ...)")
     vae, params = checkpoint.load_params(a.vae)
@@ -155,13 +155,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     meta = dict(image_size=a.image_size, scale=float(vae.scaling_factor), shard_size=a.shard_size,
                 num_images=len(files), seed=a.seed, split=a.split,
                 latent_shape=[2, a.image_size // f, a.image_size // f, vae.latent_channels],
-                vae=os.path.abspath(a.vae), images=os.path.abspath(a.images), classes=classes,
+                vae=str(paths.resolve(a.vae)), images=str(paths.resolve(a.images)), classes=classes,
                 crop="ADM center_crop_arr", flips="index 1 of axis 1 is the left-right flip",
                 latent="vae.encode(x).latent_dist.sample() * scale")
-    meta_path = os.path.join(a.out, f"meta_{a.split}.json" if a.split != "train" else "meta.json")
-    if os.path.isfile(meta_path):
-      with open(meta_path) as fh:
-        old = json.load(fh)
+    meta_path = paths.join(a.out, f"meta_{a.split}.json" if a.split != "train" else "meta.json")
+    if paths.exists(meta_path):
+      old = paths.read_json(meta_path)
       changed = [k for k in META_KEYS if old.get(k) != meta[k]]
       if changed:
         raise ValueError(f"out={a.out!r} is not allowed; it holds latents made with other "
@@ -170,11 +169,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  os.makedirs(a.out, exist_ok=True)
   if jax.process_index() == 0:
-    with open(meta_path + ".tmp", "w") as fh:
-      json.dump(meta, fh, indent=1)
-    os.replace(meta_path + ".tmp", meta_path)
+    paths.write_json(meta_path, meta)
 
   mesh = Mesh(np.asarray(jax.local_devices()), ("data",))
   per = mesh.size
@@ -183,7 +179,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   params = jax.device_put(params, NamedSharding(mesh, P()))  # replicated on the local devices
   num_shards = -(-len(files) // a.shard_size)
   mine = [s for s in range(num_shards) if s % jax.process_count() == jax.process_index()]
-  todo = [s for s in mine if not os.path.isfile(shard_paths(a.out, a.split, s)[0])]
+  todo = [s for s in mine if not paths.exists(shard_paths(a.out, a.split, s)[0])]
   size = lambda s: min(len(files), (s + 1) * a.shard_size) - s * a.shard_size
   total = sum(size(s) for s in mine)
   already = total - sum(size(s) for s in todo)

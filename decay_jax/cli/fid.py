@@ -19,12 +19,10 @@ TensorFlow evaluator).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from typing import Optional, Sequence
 
-from decay_jax import logs
+from decay_jax import logs, paths
 from decay_jax.evals import generation as gen
 from decay_jax.train import checkpoint
 
@@ -59,7 +57,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       raise ValueError(f"batch_size={a.batch_size} is not allowed; it must be >= 1")
     for field in ("samples", "ref", "inception"):
       path = getattr(a, field)
-      if path and not os.path.exists(path):
+      if path and not paths.exists(path):
         raise ValueError(f"--{field}={path!r} is not allowed; no such file or folder")
     needs_net = any(x and not (x.endswith(".npz") and gen.load_stats(x) is not None)
                     for x in (a.samples, a.ref))
@@ -95,8 +93,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
                  for k, v in result.items()))
   if a.out:
-    with open(a.out, "w") as f:
-      json.dump(result, f, indent=1)
+    paths.write_json(a.out, result)
   return 0
 
 

@@ -35,6 +35,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from decay_jax import paths
 from decay_jax import sharding as shd
 from decay_jax.data import pipeline
 from decay_jax.models import factory, layers
@@ -246,8 +247,7 @@ def main(argv):
           f"{row.get('peak_estimate_gib')} GiB/device, compiled in {row['compile_seconds']} s; "
           f"ETA {eta:.0f} s", flush=True)
     if FLAGS.out:
-      with open(FLAGS.out, "a") as f:
-        f.write(json.dumps(row) + "\n")
+      paths.append_text(FLAGS.out, json.dumps(row) + "\n")
   print(f"\n{configs[0].task} {configs[0].model.preset}, {rows[0]['params'] / 1e6:.1f}M params, "
         "per-device GiB (XLA memory analysis):")
   print(markdown(rows))

@@ -21,14 +21,12 @@ pixels go to ``samples.npz`` as above (the official FID sampler):
     python -m decay_jax.cli.sample --workdir=DIR --num=50000 --vae=/data/sd_vae_ft_ema --cfg=1.0
 """
 
-import json
-import os
 import sys
 import time
 
 from absl import app, flags, logging
 
-from decay_jax import logs, validate
+from decay_jax import logs, paths, validate
 from decay_jax import sharding as shd
 from decay_jax.data import latents as latents_lib
 from decay_jax.diffusion import samplers
@@ -74,16 +72,15 @@ def load_vae(directory, config, model):
   if not config.data.dataset.startswith(latents_lib.PREFIX):
     raise ValueError(f"vae={directory!r} is not allowed; the run trained on "
                      f"{config.data.dataset!r}, not on latents")
-  if not os.path.isfile(os.path.join(directory, "model.json")):
+  if not paths.exists(paths.join(directory, "model.json")):
     raise ValueError(f"vae={directory!r} is not allowed; it is not a converted VAE directory")
   vae, params = checkpoint.load_params(directory)
   if type(vae).__name__ != "AutoencoderKL" or vae.latent_channels != model.in_channels:
     raise ValueError(f"vae={directory!r} is not allowed; it is not a VAE with "
                      f"{model.in_channels} latent channels")
-  meta = os.path.join(latents_lib.path_of(config.data.dataset), "meta.json")
-  if os.path.isfile(meta):
-    with open(meta) as f:
-      scale = json.load(f).get("scale")
+  meta = paths.join(latents_lib.path_of(config.data.dataset), "meta.json")
+  if paths.exists(meta):
+    scale = paths.read_json(meta).get("scale")
     if scale is not None and abs(scale - vae.scaling_factor) > 1e-9:
       raise ValueError(f"vae={directory!r} is not allowed; its scaling_factor "
                        f"{vae.scaling_factor} differs from the latents' scale {scale}")
@@ -115,8 +112,8 @@ def main(argv):
     return 2
   task = trainer.make_task(config, model, info)
   latent = config.data.dataset.startswith("latents:")
-  out_dir = _OUT.value or os.path.join(_WORKDIR.value, "samples", f"step_{step:07d}")
-  os.makedirs(out_dir, exist_ok=True)
+  out_dir = str(paths.resolve(_OUT.value or paths.join(_WORKDIR.value, "samples",
+                                                       f"step_{step:07d}")))
   per = mesh.size
   batch = _BATCH.value or scfg.batch_size
   batch = max(per, (batch // per) * per)
@@ -164,13 +161,13 @@ def main(argv):
                  (_NUM.value - done) / rate)
   x = np.concatenate(images)
   labels = np.concatenate(all_labels)
-  info_out = {"workdir": os.path.abspath(_WORKDIR.value), "step": step, "weights": _WEIGHTS.value,
+  info_out = {"workdir": str(paths.resolve(_WORKDIR.value)), "step": step, "weights": _WEIGHTS.value,
               "num": int(len(x)), "seed": _SEED.value, "labels": _LABELS.value,
               "sampler": scfg.to_dict(), "seconds": round(time.perf_counter() - t0, 1),
-              "vae": os.path.abspath(_VAE.value) if _VAE.value else None}
+              "vae": str(paths.resolve(_VAE.value)) if _VAE.value else None}
   if latent:
-    np.savez(os.path.join(out_dir, "latents.npz"), labels=labels,
-             latents=np.concatenate(all_latents) if vae is not None else x)
+    paths.save_npz(paths.join(out_dir, "latents.npz"), labels=labels,
+                   latents=np.concatenate(all_latents) if vae is not None else x)
   if not latent or vae is not None:
     if vae is not None:
       pixels = x
@@ -179,7 +176,7 @@ def main(argv):
                 else tasks.to_uint8(x, task.mean, task.std))
     if pixels.shape[-1] == 1:
       pixels = np.repeat(pixels, 3, axis=-1)
-    np.savez(os.path.join(out_dir, "samples.npz"), arr_0=pixels, labels=labels)
+    paths.save_npz(paths.join(out_dir, "samples.npz"), arr_0=pixels, labels=labels)
     n = min(_GRID.value, len(pixels))
     cols = int(np.ceil(np.sqrt(n)))
     rows = [pixels[i:i + cols] for i in range(0, n, cols)]
@@ -188,10 +185,9 @@ def main(argv):
                                                    255, np.uint8)])
     picture = tasks.grid(rows)
     scale = max(1, 512 // picture.shape[0])
-    Image.fromarray(picture).resize((picture.shape[1] * scale, picture.shape[0] * scale),
-                                    Image.Resampling.NEAREST).save(os.path.join(out_dir, "grid.png"))
-  with open(os.path.join(out_dir, "info.json"), "w") as f:
-    json.dump(info_out, f, indent=1)
+    paths.save_png(paths.join(out_dir, "grid.png"), Image.fromarray(picture).resize(
+        (picture.shape[1] * scale, picture.shape[0] * scale), Image.Resampling.NEAREST))
+  paths.write_json(paths.join(out_dir, "info.json"), info_out)
   print(f"wrote {len(x)} samples to {out_dir}")
   return 0
 

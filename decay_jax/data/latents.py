@@ -17,12 +17,12 @@ reproduces the uninterrupted stream exactly, as for the other in-memory sources.
 
 from __future__ import annotations
 
-import glob
-import os
 import re
 from typing import Dict, Iterator, List
 
 import numpy as np
+
+from decay_jax import paths
 
 PREFIX = "latents:"
 _SHARD_RE = re.compile(r"^(?P<split>[a-z]+)_latents_(?P<idx>\d{5})\.npy$")
@@ -36,15 +36,19 @@ class Split:
   """A virtual concatenation of the memory-mapped shards of one split."""
 
   def __init__(self, directory: str, split: str):
-    if not os.path.isdir(directory):
+    root = paths.resolve(directory)
+    if not root.is_dir():
       raise ValueError(f"dataset='{PREFIX}{directory}' is not allowed; the directory does not exist")
-    files = sorted(glob.glob(os.path.join(directory, f"{split}_latents_*.npy")))
+    names = sorted(p.name for p in root.iterdir())
+    files = [str(root / n) for n in names
+             if (m := _SHARD_RE.match(n)) and m.group("split") == split]
     if not files:
-      found = sorted({m.group("split") for f in os.listdir(directory)
-                      if (m := _SHARD_RE.match(f))})
+      found = sorted({m.group("split") for n in names if (m := _SHARD_RE.match(n))})
       raise ValueError(f"split={split!r} is not allowed; {directory} has shards for {found}")
-    self.latents = [np.load(f, mmap_mode="r") for f in files]
-    self.labels = [np.load(f.replace("_latents_", "_labels_")) for f in files]
+    # Local shards are memory-mapped (a latent dataset may exceed host memory); shards on an
+    # object store are read whole.
+    self.latents = [paths.load_numpy(f, mmap=True) for f in files]
+    self.labels = [paths.load_numpy(f.replace("_latents_", "_labels_")) for f in files]
     for f, x, y in zip(files, self.latents, self.labels):
       if x.ndim not in (4, 5) or len(x) != len(y):
         raise ValueError(f"{f}: expected (n, H, W, C) or (n, 2, H, W, C) latents and n labels, "
@@ -124,12 +128,14 @@ def load_eval_arrays(data_cfg, split_name: str) -> Dict[str, np.ndarray]:
 def write_shard(directory: str, split: str, index: int, latents: np.ndarray,
                 labels: np.ndarray) -> List[str]:
   """Writes one shard in the format above (atomically: temporary name, then rename)."""
-  os.makedirs(directory, exist_ok=True)
-  paths = []
+  written = []
   for kind, arr in (("labels", np.asarray(labels)), ("latents", np.asarray(latents))):
-    final = os.path.join(directory, f"{split}_{kind}_{index:05d}.npy")
-    tmp = final + ".tmp.npy"
-    np.save(tmp, arr)
-    os.replace(tmp, final)
-    paths.append(final)
-  return paths
+    final = paths.resolve(directory) / f"{split}_{kind}_{index:05d}.npy"
+    if paths.is_uri(final):  # an object appears whole when its upload ends
+      paths.save_npy(final, arr)
+    else:
+      tmp = final.parent / (final.name + ".tmp.npy")
+      paths.save_npy(tmp, arr)
+      tmp.replace(final)
+    written.append(str(final))
+  return written

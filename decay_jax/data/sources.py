@@ -23,6 +23,7 @@ from typing import Dict, Iterator, Tuple
 import ml_collections
 import numpy as np
 
+from decay_jax import paths
 from decay_jax.data import augment
 from decay_jax.data import config
 from decay_jax.data import latents
@@ -41,8 +42,8 @@ def _npz_path(dataset: str) -> str:
   """The file of an in-memory source (``'embedded_mnist'`` or ``'npz:...'``)."""
   if dataset == config.EMBEDDED_MNIST:
     return config.EMBEDDED_NPZ
-  path = os.path.expanduser(dataset[len(config.NPZ_PREFIX):])
-  if not os.path.isfile(path):
+  path = str(paths.resolve(dataset[len(config.NPZ_PREFIX):]))  # local (~ expanded) or gs://...
+  if not paths.exists(path) or paths.resolve(path).is_dir():
     raise ValueError(f"dataset={dataset!r} is not allowed; the npz file {path!r} does not exist")
   return path
 
@@ -51,7 +52,7 @@ def _npz_header(path: str, dataset: str) -> Dict[str, Tuple[Tuple[int, ...], np.
   """Shapes and dtypes of an npz's arrays, read from the .npy headers without decompressing data."""
   out = {}
   try:
-    with zipfile.ZipFile(path) as zf:
+    with paths.resolve(path).open("rb") as raw, zipfile.ZipFile(raw) as zf:
       for name in zf.namelist():
         if not name.endswith(".npy"):
           continue
@@ -78,7 +79,7 @@ def _npz_header(path: str, dataset: str) -> Dict[str, Tuple[Tuple[int, ...], np.
 def _load_npz_cached(path: str, mtime_ns: int, size: int) -> Dict[str, np.ndarray]:
   """Loads every array of an npz once per (path, mtime, size); arrays are made read-only."""
   del mtime_ns, size  # Only part of the cache key: a rewritten file is loaded again.
-  with np.load(path, allow_pickle=False) as d:
+  with paths.load_numpy(path) as d:
     arrays = {k: d[k] for k in d.files}
   for value in arrays.values():
     value.setflags(write=False)
@@ -86,6 +87,9 @@ def _load_npz_cached(path: str, mtime_ns: int, size: int) -> Dict[str, np.ndarra
 
 
 def _load_npz(path: str) -> Dict[str, np.ndarray]:
+  if paths.is_uri(path):
+    stat = paths.resolve(path).stat()
+    return _load_npz_cached(path, int(stat.mtime * 1e9), stat.length)
   stat = os.stat(path)
   return _load_npz_cached(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
 

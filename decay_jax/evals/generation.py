@@ -24,7 +24,7 @@ the numbers ADM's TensorFlow suite prints. For paper tables, also run ADM's suit
 from __future__ import annotations
 
 import functools
-import os
+import io
 import time
 from typing import Dict, Iterator, Optional, Tuple
 
@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from decay_jax import paths
 
 IMAGE_EXTENSIONS = (".bmp", ".jpg", ".jpeg", ".pgm", ".png", ".ppm", ".tif", ".tiff", ".webp")
 
@@ -93,13 +95,12 @@ def inception_score(logits: np.ndarray, split_size: int = 5000) -> float:
 
 def save_stats(path: str, mu: np.ndarray, sigma: np.ndarray) -> None:
   """``.npz`` with ``mu`` and ``sigma`` (the keys of ADM's reference batches and pytorch-fid)."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  np.savez(path, mu=np.asarray(mu), sigma=np.asarray(sigma))
+  paths.save_npz(path, mu=np.asarray(mu), sigma=np.asarray(sigma))
 
 
 def load_stats(path: str) -> Optional[Tuple[np.ndarray, np.ndarray]]:
   """``(mu, sigma)`` of an ``.npz`` holding them, or None if it holds images only."""
-  with np.load(path) as f:
+  with paths.load_numpy(path) as f:
     if "mu" in f and "sigma" in f:
       return np.asarray(f["mu"], np.float64), np.asarray(f["sigma"], np.float64)
     if "arr_0" not in f:
@@ -115,28 +116,26 @@ def load_stats(path: str) -> Optional[Tuple[np.ndarray, np.ndarray]]:
 
 def list_images(directory: str):
   """All image files under ``directory`` (recursively), sorted."""
-  out = []
-  for root, _, files in os.walk(directory):
-    out += [os.path.join(root, f) for f in files if f.lower().endswith(IMAGE_EXTENSIONS)]
-  return sorted(out)
+  return paths.list_files(directory, IMAGE_EXTENSIONS)
 
 
 def load_images(path: str) -> np.ndarray:
   """uint8 ``(N, H, W, 3)`` from an ``.npz`` (``arr_0``, as ``decay_jax.cli.sample`` and ADM write)
   or an image folder (RGB; all images must share one size, as pytorch-fid requires)."""
-  if os.path.isdir(path):
+  if paths.resolve(path).is_dir():
     from PIL import Image
     files = list_images(path)
     if not files:
       raise ValueError(f"{path} is not allowed; it holds no images ({', '.join(IMAGE_EXTENSIONS)})")
-    images = [np.asarray(Image.open(f).convert("RGB")) for f in files]
+    images = [np.asarray(Image.open(io.BytesIO(paths.resolve(f).read_bytes())).convert("RGB"))
+              for f in files]
     sizes = sorted({im.shape for im in images})
     if len(sizes) > 1:
       raise ValueError(f"{path}: images of several sizes {sizes[:4]}; resize them to one size")
     return np.stack(images)
-  if not os.path.isfile(path):
+  if not paths.exists(path):
     raise ValueError(f"{path!r} is not allowed; it is neither a folder nor an .npz file")
-  with np.load(path) as f:
+  with paths.load_numpy(path) as f:
     if "arr_0" not in f:
       raise ValueError(f"{path} is not allowed; it has no arr_0 images (keys: {sorted(f.keys())})")
     images = np.asarray(f["arr_0"])

@@ -10,13 +10,11 @@ branch ratio against the sublayer).
 from __future__ import annotations
 
 import datetime
-import json
-import os
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from decay_jax import plots
+from decay_jax import paths, plots
 
 ACCURACY_PNG = "accuracy_vs_block.png"
 RANK_PNG = "rank_vs_block.png"
@@ -257,18 +255,16 @@ def _jsonable(x):
 def write(out_dir: str, records: Sequence[dict], command: str = "", device: str = "",
           seconds: Optional[float] = None) -> Dict[str, str]:
   """Writes the JSON, the plots and the Markdown report; returns their paths by kind."""
-  os.makedirs(out_dir, exist_ok=True)
-  files = {"json": os.path.join(out_dir, "evaluation.json"),
-           "report": os.path.join(out_dir, "report.md")}
+  files = {"json": paths.join(out_dir, "evaluation.json"),
+           "report": paths.join(out_dir, "report.md")}
   stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-  with open(files["json"], "w") as f:
-    json.dump(_jsonable({"command": command, "device": device, "date": stamp, "seconds": seconds,
-                         "models": list(records)}), f, indent=1)
+  paths.write_json(files["json"], _jsonable({"command": command, "device": device, "date": stamp,
+                                             "seconds": seconds, "models": list(records)}))
   plots = []
   for kind, name, fn in (("accuracy", ACCURACY_PNG, plot_accuracy), ("rank", RANK_PNG, plot_rank),
                          ("branches", BRANCH_PNG, plot_branches)):
-    if fn(records, os.path.join(out_dir, name)):
-      files[kind] = os.path.join(out_dir, name)
+    if fn(records, paths.join(out_dir, name)):
+      files[kind] = paths.join(out_dir, name)
       plots.append(name)
   lines = ["# Representation evaluation", ""]
   if command:
@@ -282,6 +278,5 @@ def write(out_dir: str, records: Sequence[dict], command: str = "", device: str 
   for r in records:
     lines.append(model_markdown(r, plots))
   lines.append(PROTOCOL_TEXT)
-  with open(files["report"], "w") as f:
-    f.write("\n".join(lines))
+  paths.write_text(files["report"], "\n".join(lines))
   return files

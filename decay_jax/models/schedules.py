@@ -45,13 +45,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import io
 import math
 import sys
 from typing import Sequence
 
 import numpy as np
 
-from decay_jax import validate
+from decay_jax import paths, validate
 
 CONVENTIONS = ("sublayer", "block")
 SHAPES = ("linear", "cosine")
@@ -204,8 +205,10 @@ def plot(sc: Shortcuts, path: str, title: str) -> None:
   ax1.grid(alpha=0.3, which="both")
   fig.suptitle(f"{title}   alpha_eff = {sc.alpha_eff:.4g}")
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  buf = io.BytesIO()
+  fig.savefig(buf, format="png", dpi=120)
   plt.close(fig)
+  paths.write_bytes(path, buf.getvalue())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,8 +7,6 @@ The decay schedule is rebuilt from ``alpha_min`` and friends: it is never stored
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any, List, Optional, Tuple
 
 import jax
@@ -17,27 +15,28 @@ import orbax.checkpoint as ocp
 
 import ml_collections
 
+from decay_jax import paths
 from decay_jax import sharding as shd
 from decay_jax.models import factory
 from decay_jax.train import config as config_lib
 
 def save_params(directory: str, params: Any, model) -> None:
-  directory = os.path.abspath(directory)
-  os.makedirs(directory, exist_ok=True)
+  """Writes ``directory/params`` (orbax) and ``directory/model.json``; ``directory`` may be a URI."""
+  directory = paths.resolve(directory)
+  directory.mkdir(parents=True, exist_ok=True)
   with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(os.path.join(directory, "params"), params, force=True)
-  with open(os.path.join(directory, "model.json"), "w") as f:
-    json.dump({"class": type(model).__name__, "fields": factory.model_fields(model)}, f, indent=1)
+    ckptr.save(directory / "params", params, force=True)
+  paths.write_json(directory / "model.json",
+                   {"class": type(model).__name__, "fields": factory.model_fields(model)})
 
 
 def load_params(directory: str) -> Tuple[Any, Any]:
   """Returns ``(model, params)`` saved by ``save_params`` (params restored on the default device)."""
-  directory = os.path.abspath(directory)
-  with open(os.path.join(directory, "model.json")) as f:
-    meta = json.load(f)
+  directory = paths.resolve(directory)
+  meta = paths.read_json(directory / "model.json")
   model = factory.model_from_fields(meta["class"], meta["fields"])
   with ocp.StandardCheckpointer() as ckptr:
-    params = ckptr.restore(os.path.join(directory, "params"))
+    params = ckptr.restore(directory / "params")
   return model, jax.tree_util.tree_map(jnp.asarray, params)
 
 
@@ -64,7 +63,7 @@ class RunCheckpoints:
     options = ocp.CheckpointManagerOptions(
         preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
         enable_async_checkpointing=async_save, create=True)
-    self.manager = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
+    self.manager = ocp.CheckpointManager(paths.resolve(workdir) / "checkpoints",
                                          options=options, item_names=("state", "meta"))
 
   def latest_step(self):
@@ -117,12 +116,11 @@ def run_config(workdir: str, task: Optional[str] = None):
   Fields added to the code after the run take today's defaults. ``task`` ('mae' or 'sit')
   rejects runs of the other task with a one-line error.
   """
-  path = os.path.join(workdir, "config.json")
-  if not os.path.isfile(path):
+  path = paths.resolve(workdir) / "config.json"
+  if not path.exists():
     raise ValueError(f"workdir={workdir!r} is not allowed; it has no config.json (not a run of "
                      "decay_jax.main or decay_jax.cli.compare)")
-  with open(path) as f:
-    saved = json.load(f)
+  saved = paths.read_json(path)
   if task is not None and saved.get("task") != task:
     raise ValueError(f"workdir={workdir!r} is not allowed; its task is {saved.get('task')!r}, "
                      f"this command needs {task!r}")
@@ -133,10 +131,9 @@ def run_config(workdir: str, task: Optional[str] = None):
 
 def checkpoint_steps(workdir: str) -> List[int]:
   """Committed checkpoint steps of a run (orbax writes temporary names until a step is done)."""
-  root = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(root):
-    return []
-  return sorted(int(d) for d in os.listdir(root) if d.isdigit())
+  # orbax's own test of a finished step: on local disk a step is renamed into place when done, on
+  # an object store it is written in place and marked by a commit file at the end.
+  return sorted(ocp.utils.checkpoint_steps(paths.resolve(workdir) / "checkpoints"))
 
 
 def restore_run_params(workdir: str, mesh, step: int = -1, weights: str = "params"):
@@ -150,7 +147,7 @@ def restore_run_params(workdir: str, mesh, step: int = -1, weights: str = "param
   step = steps[-1] if step < 0 else step
   if step not in steps:
     raise ValueError(f"step={step} is not allowed; {workdir!r} has steps {steps}")
-  path = os.path.join(workdir, "checkpoints", str(step), "state")
+  path = paths.resolve(workdir) / "checkpoints" / str(step) / "state"
   with ocp.StandardCheckpointer() as ckptr:
     meta = ckptr.metadata(path).item_metadata
   if weights not in meta:

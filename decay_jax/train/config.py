@@ -30,6 +30,7 @@ def _common(task: str) -> mlc.ConfigDict:
                                      async_save=True))
   c.log_every_steps = 50
   c.picture_every_steps = 1000
+  c.tensorboard = True  # False: metrics.jsonl and the console only (see train.writers)
   c.evals = mlc.ConfigDict()
   return c
 

@@ -9,8 +9,6 @@ uninterrupted run (in-memory datasets) because every random draw is keyed by the
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import time
 from typing import Any, Dict, Optional
@@ -21,7 +19,7 @@ from absl import logging
 from clu import periodic_actions
 from PIL import Image
 
-from decay_jax import logs
+from decay_jax import logs, paths
 from decay_jax import sharding as shd
 from decay_jax.data import pipeline
 from decay_jax.models import factory, flops
@@ -73,11 +71,10 @@ class _Preemption:
 
 
 def _save_picture(workdir: str, step: int, picture: np.ndarray, writer, name: str) -> str:
-  path = os.path.join(workdir, "pictures", f"step_{step:07d}.png")
-  os.makedirs(os.path.dirname(path), exist_ok=True)
+  path = paths.join(workdir, "pictures", f"step_{step:07d}.png")
   scale = max(1, 384 // picture.shape[0])  # small images (28-px digits) are enlarged to be seen
-  Image.fromarray(picture).resize((picture.shape[1] * scale, picture.shape[0] * scale),
-                                  Image.Resampling.NEAREST).save(path)
+  paths.save_png(path, Image.fromarray(picture).resize(
+      (picture.shape[1] * scale, picture.shape[0] * scale), Image.Resampling.NEAREST))
   writer.write_images(step, {name: picture[None]})
   return path
 
@@ -118,14 +115,12 @@ def train_and_evaluate(config, workdir: str,
   task = make_task(config, model, info)
   total_steps, warmup_steps = config_lib.steps_for(config, info["num_train"])
   evaluators = evaluation.make(config, model, mesh, evaluators)
-  workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
+  workdir = str(paths.resolve(workdir))  # local: absolute; gs://...: unchanged
   is_main = jax.process_index() == 0
   if is_main:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=1))
+    paths.write_text(paths.join(workdir, "config.json"), config.to_json_best_effort(indent=1))
 
-  writer = writers.make_writer(workdir, is_main)
+  writer = writers.make_writer(workdir, is_main, config.tensorboard)
   logging.info("devices: %d (%s), processes: %d, mesh %s", jax.device_count(),
                jax.devices()[0].device_kind, jax.process_count(), dict(mesh.shape))
   if (hint := logs.cpu_malloc_hint(jax.default_backend())) is not None:
@@ -248,6 +243,5 @@ def train_and_evaluate(config, workdir: str,
     writer.flush()
   results["preempted"] = preempted
   if is_main:
-    with open(os.path.join(workdir, "results.json"), "w") as f:
-      json.dump(results, f, indent=1)
+    paths.write_json(paths.join(workdir, "results.json"), results)
   return results

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from typing import List, Tuple
 
 from absl import logging
 from clu import metric_writers
+
+from decay_jax import paths
 
 # The console line of a write, in this order; the rest (per-block curves, evaluations: each
 # evaluation logs its own summary line, see train.evaluation) is in TensorBoard and metrics.jsonl.
@@ -74,33 +75,53 @@ class ConsoleWriter(_ScalarsOnly):
 
 
 class JsonlWriter(_ScalarsOnly):
-  """Appends scalars to ``workdir/metrics.jsonl``; other summaries are left to TensorBoard."""
+  """Appends scalars to ``workdir/metrics.jsonl``; other summaries are left to TensorBoard.
+
+  On local disk the file is opened for appending, line-buffered, so a run in progress can be read
+  back (study --report_only, plots) at any time. Object stores have no append: there the file is
+  read once (a resumed run continues it) and rewritten whole at every write, which keeps the same
+  guarantee at the cost of one small upload per log step.
+  """
 
   def __init__(self, workdir: str):
-    # Line-buffered: a run in progress can be read back (study --report_only, plots) at any time.
-    self._file = open(os.path.join(workdir, JSONL), "a", encoding="utf-8", buffering=1)
+    path = paths.resolve(workdir) / JSONL
+    self._uri = paths.is_uri(path)
+    self._path = path
+    if self._uri:
+      self._lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+      self._file = None
+    else:
+      path.parent.mkdir(parents=True, exist_ok=True)
+      self._file = open(path, "a", encoding="utf-8", buffering=1)
 
   def write_scalars(self, step, scalars):
     row = {"step": int(step)}
     for k, v in scalars.items():
       v = float(v)
       row[k] = v if math.isfinite(v) else str(v)  # JSON has no NaN/inf
-    self._file.write(json.dumps(row) + "\n")
+    line = json.dumps(row) + "\n"
+    if self._uri:
+      self._lines.append(line)
+      self._path.write_text("".join(self._lines))
+    else:
+      self._file.write(line)
 
   def flush(self):
-    self._file.flush()
+    if self._file is not None:
+      self._file.flush()
 
   def close(self):
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
 
 
 def read_scalars(workdir: str, key: str) -> List[Tuple[int, float]]:
   """``[(step, value)]`` of one scalar from ``metrics.jsonl``, the last write winning per step."""
-  path = os.path.join(workdir, JSONL)
-  if not os.path.exists(path):
+  path = paths.resolve(workdir) / JSONL
+  if not path.exists():
     return []
   by_step = {}
-  with open(path, encoding="utf-8") as f:
+  with path.open("r") as f:
     for line in f:
       if not line.strip():
         continue
@@ -113,10 +134,18 @@ def read_scalars(workdir: str, key: str) -> List[Tuple[int, float]]:
   return sorted(by_step.items())
 
 
-def make_writer(workdir: str, is_main: bool) -> metric_writers.MetricWriter:
-  """TensorBoard events (scalars and images) and metrics.jsonl in ``workdir`` (main process only)
-  plus one short console line per scalar write (no images), asynchronously."""
+def make_writer(workdir: str, is_main: bool, tensorboard: bool = True
+                ) -> metric_writers.MetricWriter:
+  """TensorBoard events (scalars and images; ``tensorboard``) and metrics.jsonl in ``workdir`` (main
+  process only) plus one short console line per scalar write (no images), asynchronously.
+
+  TensorBoard's writer goes through TensorFlow's own file system, whose GCS client always talks to
+  storage.googleapis.com; ``tensorboard=False`` (``--config.tensorboard=false``) leaves it out, e.g.
+  for a workdir on an S3 store or a GCS emulator.
+  """
   writers = [ConsoleWriter()]
   if is_main:
-    writers += [metric_writers.SummaryWriter(workdir), JsonlWriter(workdir)]
+    writers.append(JsonlWriter(workdir))
+    if tensorboard:
+      writers.append(metric_writers.SummaryWriter(workdir))
   return metric_writers.AsyncMultiWriter(writers)

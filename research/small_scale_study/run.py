@@ -29,14 +29,13 @@ Grids (``--grid``, comma-separated; ``all`` is every grid):
   ``long``      alpha_min {0.6, 0.8, 1.0} for ``--long_epochs`` epochs (default 100)
 """
 
-import os
 import sys
 import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from decay_jax import logs
+from decay_jax import logs, paths
 from decay_jax import sharding as shd
 from decay_jax.train import trainer
 from research.small_scale_study import study as study_lib
@@ -65,7 +64,7 @@ def main(argv):
   del argv
   logs.quiet_libraries()
   base = _CONFIG.value
-  workdir = os.path.abspath(_WORKDIR.value)
+  workdir = str(paths.resolve(_WORKDIR.value))
   try:
     arms = study_lib.grid_arms(base, _GRID.value, _LONG_EPOCHS.value)
     unknown = [n for n in _ONLY.value if n not in {a["name"] for a in arms}]
@@ -79,7 +78,7 @@ def main(argv):
       trainer.check_config(cfg)
     if _REEVALUATE.value and not _REPORT_ONLY.value and not _LIST.value:
       for a, cfg in zip(arms, configs):
-        study_lib.check_reevaluable(a, cfg, os.path.join(workdir, a["name"]))
+        study_lib.check_reevaluable(a, cfg, paths.join(workdir, a["name"]))
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -97,7 +96,7 @@ def main(argv):
         eta = f", ETA of the remaining arms {(len(arms) - i) * per_arm / 60:.0f} min"
       logging.info("=== arm %d/%d: %s -> %s%s", i + 1, len(arms), a["name"], workdir, eta)
       t0 = time.perf_counter()
-      record = study_lib.run_arm(a, cfg, os.path.join(workdir, a["name"]), mesh,
+      record = study_lib.run_arm(a, cfg, paths.join(workdir, a["name"]), mesh,
                                  reevaluate=_REEVALUATE.value)
       if record.get("train_seconds") and time.perf_counter() - t0 > 60:
         done_seconds.append(time.perf_counter() - t0)
@@ -110,7 +109,6 @@ def main(argv):
   if not records:
     print(f"error: workdir={workdir!r} has no finished arm yet", file=sys.stderr)
     return 2
-  os.makedirs(workdir, exist_ok=True)
   text = study_lib.write_summary(workdir, records, study_lib.budget(base),
                                 study_lib.unfinished_curves(workdir))
   print("\n" + text)

@@ -8,13 +8,12 @@ and is evaluated by ``evals.suite.evaluate_model``.
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any, Dict, List, Sequence
 
 from absl import logging
 
-from decay_jax import plots
+from decay_jax import paths, plots
 from decay_jax.data import pipeline
 from decay_jax.evals import registry, suite
 from decay_jax.models.schedules import UNSCHEDULED_FORMS
@@ -91,14 +90,15 @@ def arm_config(base, a):
 
 
 def _record_path(workdir: str) -> str:
-  return os.path.join(workdir, "study_record.json")
+  return paths.join(workdir, "study_record.json")
 
 
 def _arm_dirs(workdir: str):
   """Yields (name, directory) of every arm directory under the study ``workdir``, sorted."""
-  for name in sorted(os.listdir(workdir)) if os.path.isdir(workdir) else ():
-    if os.path.isdir(os.path.join(workdir, name)):
-      yield name, os.path.join(workdir, name)
+  root = paths.resolve(workdir)
+  for child in sorted(root.iterdir(), key=lambda p: p.name) if root.is_dir() else ():
+    if child.is_dir():
+      yield child.name, str(child)
 
 
 def _knn_curve(arm_dir: str, batch_size: int, num_train: int):
@@ -153,10 +153,9 @@ def _finished(cfg, workdir: str):
   num_train = pipeline.dataset_info(cfg.data)["num_train"]
   total, _ = config_lib.steps_for(cfg, num_train)
   path = _record_path(workdir)
-  if not os.path.exists(path):
+  if not paths.exists(path):
     return total, num_train, None
-  with open(path) as f:
-    record = json.load(f)
+  record = paths.read_json(path)
   return total, num_train, record if record.get("step") == total else None
 
 
@@ -190,9 +189,7 @@ def _evaluate(a, cfg, workdir: str, mesh, total: int) -> Dict[str, Any]:
 
 
 def _write_record(path: str, record: Dict[str, Any]) -> Dict[str, Any]:
-  with open(path + ".tmp", "w") as f:
-    json.dump(record, f, indent=1)
-  os.replace(path + ".tmp", path)
+  paths.write_json(path, record)
   return record
 
 
@@ -401,14 +398,13 @@ def write_summary(workdir: str, records: Sequence[Dict[str, Any]], budget: str,
             if r["knn_curve"] else "no KNN logged yet")
     lines.append(f"Unfinished: {r['name']} ({last}; of {r['epochs']:g} epochs).")
   text = "\n".join(lines)
-  with open(os.path.join(workdir, "study.md"), "w") as f:
-    f.write(text)
-  with open(os.path.join(workdir, "study.json"), "w") as f:
-    json.dump([{k: v for k, v in r.items() if k != "evaluation"} | {
-        "knn_last": r["evaluation"]["sections"]["knn"]["top1"]} for r in records], f, indent=1)
-  plot_layers(records, os.path.join(workdir, "accuracy_vs_layer.png"))
-  plot_alpha(records, os.path.join(workdir, "accuracy_vs_alpha.png"))
-  plot_epochs(records, os.path.join(workdir, "knn_vs_epochs.png"), unfinished)
+  paths.write_text(paths.join(workdir, "study.md"), text)
+  paths.write_json(paths.join(workdir, "study.json"), [
+      {k: v for k, v in r.items() if k != "evaluation"}
+      | {"knn_last": r["evaluation"]["sections"]["knn"]["top1"]} for r in records])
+  plot_layers(records, paths.join(workdir, "accuracy_vs_layer.png"))
+  plot_alpha(records, paths.join(workdir, "accuracy_vs_alpha.png"))
+  plot_epochs(records, paths.join(workdir, "knn_vs_epochs.png"), unfinished)
   return text
 
 
@@ -419,8 +415,8 @@ def unfinished_curves(workdir: str) -> List[Dict[str, Any]]:
   """
   out = []
   for name, arm_dir in _arm_dirs(workdir):
-    if (os.path.exists(_record_path(arm_dir))
-        or not os.path.exists(os.path.join(arm_dir, "config.json"))):
+    if (paths.exists(_record_path(arm_dir))
+        or not paths.exists(paths.join(arm_dir, "config.json"))):
       continue
     cfg = ckpt_lib.run_config(arm_dir)
     curve = _knn_curve(arm_dir, cfg.batch_size, pipeline.dataset_info(cfg.data)["num_train"])
@@ -436,12 +432,10 @@ def finished_records(workdir: str, archive: str = "") -> List[Dict[str, Any]]:
   are included too, so arms trained in a workdir that is gone stay in the table and plots.
   """
   found: Dict[str, Dict[str, Any]] = {}
-  if archive and os.path.isdir(archive):
-    for name in sorted(os.listdir(archive)):
-      if name.endswith(".json"):
-        with open(os.path.join(archive, name)) as f:
-          record = json.load(f)
-        found[record["name"]] = record
+  if archive and paths.resolve(archive).is_dir():
+    for path in paths.list_files(archive, (".json",)):
+      record = paths.read_json(path)
+      found[record["name"]] = record
   for _, record in _workdir_records(workdir):
     found[record["name"]] = record
   return [found[name] for name in sorted(found)]
@@ -451,9 +445,8 @@ def _workdir_records(workdir: str):
   """Yields (arm directory name, record) of every finished arm under the study ``workdir``."""
   for name, arm_dir in _arm_dirs(workdir):
     path = _record_path(arm_dir)
-    if os.path.exists(path):
-      with open(path) as f:
-        yield name, json.load(f)
+    if paths.exists(path):
+      yield name, paths.read_json(path)
 
 
 def archive_records(workdir: str, archive: str) -> List[str]:
@@ -463,18 +456,13 @@ def archive_records(workdir: str, archive: str) -> List[str]:
   (``research/small_scale_study/records``) and outlive the workdir, whose checkpoints are gigabytes. Returns the
   names written; a record already archived with the same content is left alone.
   """
-  os.makedirs(archive, exist_ok=True)
   written = []
   for name, record in _workdir_records(workdir):
     text = json.dumps(record, indent=1) + "\n"
-    target = os.path.join(archive, f"{name}.json")
-    if os.path.exists(target):
-      with open(target) as f:
-        if f.read() == text:
-          continue
-    with open(target + ".tmp", "w") as f:
-      f.write(text)
-    os.replace(target + ".tmp", target)
+    target = paths.join(archive, f"{name}.json")
+    if paths.exists(target) and paths.read_text(target) == text:
+      continue
+    paths.write_text(target, text)
     written.append(name)
   return written
 
