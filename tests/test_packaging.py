@@ -42,6 +42,7 @@ SCRIPTS = {
     "decay-jax-convert": "decay_jax.io.convert:run",
     "decay-jax-convert-external": "decay_jax.io.convert_external:run",
     "decay-jax-schedules": "decay_jax.models.schedules:run",
+    "decay-jax-lower": "decay_jax.cli.lower:run",
 }
 EMBEDDED_NPZ = "decay_jax/data/embedded/mnist_10k.npz"
 TIMEOUT = 300
