@@ -1,9 +1,15 @@
-"""Launch scripts: syntax, argument errors, and the exact multi-host commands (dry runs)."""
+"""Launch scripts: syntax, argument errors, and the exact multi-host commands (dry runs), whose
+training command must be one the trainer's own flag parser accepts."""
 
+import ast
 import glob
+import json
 import os
 import platform
+import shlex
 import subprocess
+import sys
+import tempfile
 
 import pytest
 
@@ -13,6 +19,111 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run(args, **env):
   return subprocess.run(args, cwd=REPO, env=dict(os.environ, **env), capture_output=True,
                         text=True, timeout=60)
+
+
+# The trainer's flag parser as a small server: imports decay_jax.cli.train once (its absl flags),
+# then parses each argv (one JSON line on stdin) in a forked copy, so that every argv meets fresh
+# flags, and answers with one JSON line. A process of its own because other cli modules define
+# flags of the same names (--config), which absl refuses in one process.
+_PARSER = r"""
+import json, os, sys
+from absl import flags
+import decay_jax.cli.train  # noqa: F401
+for line in sys.stdin:
+  r, w = os.pipe()
+  pid = os.fork()
+  if pid == 0:
+    os.close(r)
+    try:
+      sys.argv = ["decay_jax.main", *json.loads(line)]  # config_flags reads overrides there
+      flags.FLAGS(sys.argv)
+      out = {"workdir": flags.FLAGS.workdir,
+             "config": json.loads(flags.FLAGS.config.to_json_best_effort())}
+    except Exception as e:  # what the trainer would print before exiting
+      out = {"error": f"{type(e).__name__}: {e}"}
+    with os.fdopen(w, "w") as f:
+      f.write(json.dumps(out))
+    os._exit(0)
+  os.close(w)
+  with os.fdopen(r) as f:
+    answer = f.read()
+  os.waitpid(pid, 0)
+  print(answer, flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def trainer_parse():
+  """``parse(argv) -> {"workdir", "config"} or {"error"}`` with the trainer's absl flags."""
+  with tempfile.TemporaryFile("w+") as err:
+    proc = subprocess.Popen([sys.executable, "-c", _PARSER], cwd=REPO, text=True,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=err)
+
+    def parse(argv):
+      proc.stdin.write(json.dumps(list(argv)) + "\n")
+      proc.stdin.flush()
+      line = proc.stdout.readline()
+      if not line:
+        err.seek(0)
+        raise AssertionError(f"the flag parser died:\n{err.read()[-3000:]}")
+      return json.loads(line)
+
+    try:
+      yield parse
+    finally:
+      proc.stdin.close()
+      proc.wait(timeout=30)
+
+
+def field_path_error(config, dotted):
+  """None if ``dotted`` (``model.alpha_min``) names a field of ``config``, else why not."""
+  node = config
+  for i, part in enumerate(dotted.split(".")):
+    if not hasattr(node, "keys") or part not in node:
+      return f"{'.'.join(dotted.split('.')[:i]) or 'the config'} has no field {part!r}"
+    node = node[part]
+  return None
+
+
+def check_trainer_argv(parse, argv, config_file, workdir):
+  """``argv`` (what reaches ``python -m decay_jax.main``) starts with --config and --workdir, its
+  every --config.x names a field of ``config_file`` (the project's config loader) and the trainer's
+  parser accepts it all, unknown flags and bad values included, with the overrides applied."""
+  from testing_configs import load_config
+  assert argv[:2] == [f"--config={config_file}", f"--workdir={workdir}"], argv
+  assert all(a.startswith("--") and "=" in a for a in argv), argv
+  config = load_config(config_file)
+  overrides = {}
+  for a in argv[2:]:
+    name, value = a[2:].split("=", 1)
+    if name.startswith("config."):
+      assert (why := field_path_error(config, name[len("config."):])) is None, f"{a}: {why}"
+      overrides[name[len("config."):]] = value
+  parsed = parse(argv)
+  assert "error" not in parsed, f"the trainer rejects {shlex.join(argv)}: {parsed['error']}"
+  assert parsed["workdir"] == workdir
+  for dotted, value in overrides.items():
+    got = parsed["config"]
+    for part in dotted.split("."):
+      got = got[part]
+    try:
+      value = ast.literal_eval(value)
+    except (ValueError, SyntaxError):  # a plain string (a path, a preset name)
+      pass
+    assert got == value, (dotted, got, value)
+
+
+def test_trainer_argv_check_catches_unknown_flags_and_fields(trainer_parse):
+  from testing_configs import load_config
+  config = load_config("configs/mae_cpu_mnist.py")
+  assert field_path_error(config, "model.alpha_min") is None
+  assert field_path_error(config, "model.alpha_mn") == "model has no field 'alpha_mn'"
+  assert field_path_error(config, "batch_size.x") == "batch_size has no field 'x'"
+  base = ["--config=configs/mae_cpu_mnist.py", "--workdir=/tmp/w"]
+  assert "Unknown command line flag 'work_dir'" in trainer_parse(base + ["--work_dir=/x"])["error"]
+  assert "batch_sizes" in trainer_parse(base + ["--config.batch_sizes=8"])["error"]
+  assert "invalid literal" in trainer_parse(base + ["--config.batch_size=x"])["error"]
 
 
 @pytest.mark.parametrize("script", sorted(glob.glob(os.path.join(REPO, "launch", "*.sh"))),
@@ -28,27 +139,64 @@ def test_local_needs_config_and_workdir():
   assert p.returncode == 2 and "config file configs/nope.py not found" in p.stderr
 
 
-def test_slurm_dry_run_runs_one_process_per_gpu():
-  p = run(["bash", "launch/slurm.sh", "configs/mae_vit_b16.py", "/shared/run",
-           "--config.batch_size=8192"], DRY_RUN="1")
+def test_slurm_dry_run_runs_one_process_per_gpu(trainer_parse):
+  overrides = ["--config.batch_size=8192", "--config.model.alpha_min=0.7"]
+  p = run(["bash", "launch/slurm.sh", "configs/mae_vit_b16.py", "/shared/run", *overrides],
+          DRY_RUN="1")
   assert p.returncode == 0, p.stderr
   out = p.stdout
   assert out.startswith("srun --kill-on-bad-exit=1 bash -c ")
   assert "CUDA_VISIBLE_DEVICES=\\$SLURM_LOCALID" in out and "DECAY_JAX_DISTRIBUTED=1" in out
-  assert "--config=configs/mae_vit_b16.py --workdir=/shared/run --config.batch_size=8192" in out
+  # srun ... bash -c SCRIPT _ ARGS: SCRIPT execs the trainer with ARGS ("$@").
+  srun = shlex.split(out)
+  assert srun[:4] == ["srun", "--kill-on-bad-exit=1", "bash", "-c"] and srun[5] == "_", srun
+  assert shlex.split(srun[4]) == ["CUDA_VISIBLE_DEVICES=$SLURM_LOCALID", "DECAY_JAX_DISTRIBUTED=1",
+                                  "exec", ".venv/bin/python", "-m", "decay_jax.main", "$@"]
+  check_trainer_argv(trainer_parse, srun[6:], "configs/mae_vit_b16.py", "/shared/run")
+  assert srun[8:] == overrides
 
 
-def test_tpu_pod_dry_run_targets_all_workers():
-  p = run(["bash", "launch/tpu_pod.sh", "configs/mae_vit_l16.py", "gs://b/run"], DRY_RUN="1",
-          TPU_NAME="v4-64", ZONE="us-central2-b")
+def test_tpu_pod_dry_run_targets_all_workers(trainer_parse):
+  overrides = ["--config.batch_size=4096", "--config.model.remat_policy=full"]
+  p = run(["bash", "launch/tpu_pod.sh", "configs/mae_vit_l16.py", "gs://b/run", *overrides],
+          DRY_RUN="1", TPU_NAME="v4-64", ZONE="us-central2-b")
   assert p.returncode == 0, p.stderr
-  lines = p.stdout.strip().splitlines()
+  lines = p.stdout.splitlines()  # not stripped: the last argument may end in an escaped space
   assert lines[0].startswith("gcloud compute tpus tpu-vm scp") and "--worker=all" in lines[0]
   assert lines[1].startswith("gcloud compute tpus tpu-vm ssh v4-64 --zone=us-central2-b --worker=all")
   assert "DECAY_JAX_DISTRIBUTED=1\\ JAX_EXTRA=tpu\\ bash\\ launch/local.sh" in lines[1]
   assert "configs/mae_vit_l16.py" in lines[1] and "gs://b/run" in lines[1]
+  # What every worker runs: unpack the repository, enter it, run local.sh with the arguments.
+  ssh = shlex.split(lines[1])
+  (remote,) = [a[len("--command="):] for a in ssh if a.startswith("--command=")]
+  steps, step = [], []
+  for token in shlex.split(remote) + ["&&"]:
+    if token == "&&":
+      steps.append(step)
+      step = []
+    else:
+      step.append(token)
+  assert ["cd", "~/decay-jax"] in steps, steps
+  assert steps[-1] == ["DECAY_JAX_DISTRIBUTED=1", "JAX_EXTRA=tpu", "bash", "launch/local.sh",
+                       "configs/mae_vit_l16.py", "gs://b/run", *overrides], steps[-1]
+  # local.sh turns those arguments into the training command (its dry run installs nothing).
+  p = run(steps[-1][2:], DRY_RUN="1", DECAY_JAX_DISTRIBUTED="1", JAX_EXTRA="tpu")
+  assert p.returncode == 0, p.stderr
+  python = shlex.split(p.stdout)
+  assert python[:3] == [".venv/bin/python", "-m", "decay_jax.main"], python
+  check_trainer_argv(trainer_parse, python[3:], "configs/mae_vit_l16.py", "gs://b/run")
+  assert python[5:] == overrides
   p = run(["bash", "launch/tpu_pod.sh", "configs/mae_vit_l16.py", "gs://b/run"], DRY_RUN="1")
   assert p.returncode != 0 and "TPU_NAME" in p.stderr
+
+
+def test_docs_recipes_data_dir_override_reaches_the_trainer(trainer_parse):
+  # docs/training.md's SLURM and TPU pod recipes pass the TFDS directory this way.
+  p = run(["bash", "launch/slurm.sh", "configs/mae_vit_l16.py", "/shared/runs/mae_l16",
+           "--config.data.data_dir=/shared/tfds"], DRY_RUN="1")
+  assert p.returncode == 0, p.stderr
+  check_trainer_argv(trainer_parse, shlex.split(p.stdout)[6:], "configs/mae_vit_l16.py",
+                     "/shared/runs/mae_l16")
 
 
 def test_gpu_bench_dry_run_runs_sit_xl2_and_mae_vit_l_in_bf16_with_cudnn():

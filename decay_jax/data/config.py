@@ -65,9 +65,10 @@ def default_data_config() -> ml_collections.ConfigDict:
       "crop_ratio": (3.0 / 4.0, 4.0 / 3.0),
       "flip": True,
       "normalize": "half",
-      "data_dir": None,
+      # Typed references, not bare None: a None field cannot be overridden from the command line.
+      "data_dir": ml_collections.FieldReference(None, field_type=str),
       "shuffle_buffer": 10_000,
-      "max_eval_examples": None,
+      "max_eval_examples": ml_collections.FieldReference(None, field_type=int),
       "eval_resize": "resize_crop",
   })
 
