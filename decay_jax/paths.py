@@ -110,9 +110,13 @@ def load_numpy(path: PathLike, mmap: bool = False):
   """``np.load`` of a ``.npy`` / ``.npz`` (no pickles). ``mmap`` maps local ``.npy`` files; URIs are
   read into memory (an object store cannot be mapped)."""
   path = resolve(path)
-  if not is_uri(path):
-    return np.load(os.fspath(path), mmap_mode="r" if mmap else None, allow_pickle=False)
-  return np.load(io.BytesIO(path.read_bytes()), allow_pickle=False)
+  try:
+    if not is_uri(path):
+      return np.load(os.fspath(path), mmap_mode="r" if mmap else None, allow_pickle=False)
+    return np.load(io.BytesIO(path.read_bytes()), allow_pickle=False)
+  except (ValueError, OSError, EOFError) as e:  # a pickle, a truncated or foreign file
+    raise ValueError(f"{str(path)!r} is not allowed; it is not a readable .npy/.npz file "
+                     f"({' '.join(str(e).split())[:120]})") from e
 
 
 def list_files(directory: PathLike, suffixes: tuple = ()) -> list:

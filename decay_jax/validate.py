@@ -6,7 +6,9 @@ read, compiled or written; the message format is ``FIELD=VALUE is not allowed; W
 
 from __future__ import annotations
 
+import argparse
 import math
+import sys
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -118,3 +120,12 @@ def check_once(check: Callable[[], None], key) -> None:
     if len(_PASSED) >= _MAX_PASSED:
       del _PASSED[next(iter(_PASSED))]
     _PASSED[key] = None
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """``argparse.ArgumentParser`` whose errors are one line (``error: prog: message``, exit 2)
+  instead of the usage text followed by the message."""
+
+  def error(self, message):
+    print(f"error: {self.prog}: {message}", file=sys.stderr)
+    sys.exit(2)

@@ -35,12 +35,12 @@ _early_fake_devices(sys.argv)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from decay_jax import paths  # noqa: E402
 from decay_jax import sharding as shd  # noqa: E402
-from decay_jax.cli import memory  # noqa: E402
+from decay_jax.cli import errors, memory  # noqa: E402
 from decay_jax.models import flops  # noqa: E402
 from decay_jax.train import config as config_lib  # noqa: E402
 from decay_jax.train import step as step_lib  # noqa: E402
@@ -172,7 +172,7 @@ def main(argv):
 
 
 def run():
-  app.run(main)
+  errors.run(main)
 
 
 if __name__ == "__main__":

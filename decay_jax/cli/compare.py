@@ -12,10 +12,11 @@ import io
 import sys
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from decay_jax import logs, paths
+from decay_jax.cli import errors
 from decay_jax.evals import registry
 from decay_jax.train import trainer
 
@@ -97,7 +98,7 @@ def main(argv):
 
 
 def run():
-  app.run(main)
+  errors.run(main)
 
 
 if __name__ == "__main__":

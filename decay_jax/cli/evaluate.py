@@ -30,11 +30,12 @@ import sys
 import time
 from typing import Optional
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from decay_jax import logs, paths
 from decay_jax import sharding as shd
+from decay_jax.cli import errors
 from decay_jax.evals import registry, report, suite
 from decay_jax.train import checkpoint as ckpt_lib
 
@@ -71,7 +72,7 @@ def _models(mesh):
       source = {"workdir": path, "step": step, "weights": _WEIGHTS.value}
       data_cfg, evals_cfg = (given.data, given.evals) if given else (run_cfg.data, run_cfg.evals)
     else:
-      model, params = ckpt_lib.load_params(path)
+      model, params = ckpt_lib.load_params(path, "checkpoint")
       params = jax.device_put(params, shd.param_shardings(params, mesh))
       source = {"checkpoint": path}
       data_cfg, evals_cfg = given.data, given.evals
@@ -133,7 +134,7 @@ def main(argv):
 
 
 def run():
-  app.run(main)
+  errors.run(main)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ is split over the local devices. Progress and ETA are printed.
 
 from __future__ import annotations
 
-import argparse
 import io
 import sys
 import time
@@ -39,7 +38,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 from PIL import Image
 
-from decay_jax import logs, paths
+from decay_jax import logs, paths, validate
 from decay_jax.data import latents as latents_lib
 from decay_jax.evals.generation import IMAGE_EXTENSIONS, list_images, Progress
 from decay_jax.train import checkpoint
@@ -116,7 +115,7 @@ def make_encoder(vae, mesh, seed: int):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m decay_jax.cli.extract_latents",
+  p = validate.ArgumentParser(prog="python -m decay_jax.cli.extract_latents",
                               description=__doc__.split("\n")[0])
   p.add_argument("--images", required=True, help="ImageFolder tree (or flat folder)")
   p.add_argument("--vae", required=True, help="converted AutoencoderKL directory")
@@ -144,7 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not paths.exists(paths.join(a.vae, "model.json")):
       raise ValueError(f"vae={a.vae!r} is not allowed; it is not a converted VAE directory "
                        "(python -m decay_jax.io.convert_external vae ...)")
-    vae, params = checkpoint.load_params(a.vae)
+    vae, params = checkpoint.load_params(a.vae, "vae")
     if type(vae).__name__ != "AutoencoderKL":
       raise ValueError(f"vae={a.vae!r} is not allowed; it holds a {type(vae).__name__}")
     f = vae.downsample_factor

@@ -18,11 +18,10 @@ TensorFlow evaluator).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Optional, Sequence
 
-from decay_jax import logs, paths
+from decay_jax import logs, paths, validate
 from decay_jax.evals import generation as gen
 from decay_jax.train import checkpoint
 
@@ -39,7 +38,7 @@ def _stats(path: str, model, params, batch_size: int, what: str):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m decay_jax.cli.fid", description=__doc__.split("\n")[0])
+  p = validate.ArgumentParser(prog="python -m decay_jax.cli.fid", description=__doc__.split("\n")[0])
   p.add_argument("--samples", required=True, help="images: .npz (arr_0) or folder; or mu/sigma .npz")
   p.add_argument("--ref", help="reference: mu/sigma .npz (ADM), images .npz or folder")
   p.add_argument("--inception", help="converted FID Inception directory (convert_external)")
@@ -66,7 +65,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       if not a.inception:
         raise ValueError("--inception is required to compute features of images (convert "
                          "pt_inception-2015-12-05-6726825d.pth with decay_jax.io.convert_external)")
-      model, params = checkpoint.load_params(a.inception)
+      model, params = checkpoint.load_params(a.inception, "inception")
       if type(model).__name__ != "FIDInceptionV3":
         raise ValueError(f"inception={a.inception!r} is not allowed; it holds a "
                          f"{type(model).__name__}, not the FID Inception")

@@ -16,10 +16,11 @@ the mesh. ``--out=FILE.mlir`` writes the StableHLO text (with several platforms,
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from decay_jax import logs, paths
+from decay_jax.cli import errors
 from decay_jax.train import export
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file in configs/.",
@@ -63,7 +64,7 @@ def main(argv):
 
 
 def run():
-  app.run(main)
+  errors.run(main)
 
 
 if __name__ == "__main__":

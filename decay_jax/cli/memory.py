@@ -32,11 +32,12 @@ from typing import Any, Dict, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from decay_jax import paths
 from decay_jax import sharding as shd
+from decay_jax.cli import errors
 from decay_jax.data import pipeline
 from decay_jax.models import factory, layers
 from decay_jax.train import optim, tasks
@@ -256,7 +257,7 @@ def main(argv):
 
 def run():
   _define_flags()
-  app.run(main)
+  errors.run(main)
 
 
 if __name__ == "__main__":

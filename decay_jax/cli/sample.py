@@ -24,10 +24,11 @@ pixels go to ``samples.npz`` as above (the official FID sampler):
 import sys
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from decay_jax import logs, paths, validate
 from decay_jax import sharding as shd
+from decay_jax.cli import errors
 from decay_jax.data import latents as latents_lib
 from decay_jax.diffusion import samplers
 from decay_jax.evals import generation
@@ -74,7 +75,7 @@ def load_vae(directory, config, model):
                      f"{config.data.dataset!r}, not on latents")
   if not paths.exists(paths.join(directory, "model.json")):
     raise ValueError(f"vae={directory!r} is not allowed; it is not a converted VAE directory")
-  vae, params = checkpoint.load_params(directory)
+  vae, params = checkpoint.load_params(directory, "vae")
   if type(vae).__name__ != "AutoencoderKL" or vae.latent_channels != model.in_channels:
     raise ValueError(f"vae={directory!r} is not allowed; it is not a VAE with "
                      f"{model.in_channels} latent channels")
@@ -193,7 +194,7 @@ def main(argv):
 
 
 def run():
-  app.run(main)
+  errors.run(main)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ import os
 import sys
 
 import jax
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from decay_jax import logs
+from decay_jax.cli import errors
 from decay_jax.evals import registry
 from decay_jax.train import trainer
 
@@ -48,7 +49,7 @@ def main(argv):
 
 def run():
   flags.mark_flags_as_required(["config", "workdir"])
-  app.run(main)
+  errors.run(main)
 
 
 if __name__ == "__main__":

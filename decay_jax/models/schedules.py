@@ -42,7 +42,6 @@ Command line::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import io
@@ -212,7 +211,7 @@ def plot(sc: Shortcuts, path: str, title: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m decay_jax.models.schedules", description=__doc__.split("\n")[0])
+  p = validate.ArgumentParser(prog="python -m decay_jax.models.schedules", description=__doc__.split("\n")[0])
   p.add_argument("--depth", type=int, default=12, help="number of transformer blocks")
   p.add_argument("--alpha-min", type=float, default=None, help="last coefficient (default 0.7)")
   p.add_argument("--target-alpha-eff", type=float, default=None,

@@ -7,6 +7,12 @@ The decay schedule is rebuilt from ``alpha_min`` and friends: it is never stored
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import os
+import sys
+import time
+import traceback
 from typing import Any, List, Optional, Tuple
 
 import jax
@@ -20,6 +26,59 @@ from decay_jax import sharding as shd
 from decay_jax.models import factory
 from decay_jax.train import config as config_lib
 
+class CheckpointError(ValueError):
+  """A checkpoint, params directory or run record that is missing, unreadable or corrupt; the
+  message is one line naming the argument (``workdir=...``, ``checkpoint=...``)."""
+
+
+def _first_line(e: BaseException) -> str:
+  text = " ".join(str(e).split()).split(" See full TensorStore details")[0]
+  if len(text) > 120:
+    text = text[:117] + "..."
+  return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def _stderr_muted():
+  sys.stderr.flush()
+  saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 2)
+  try:
+    yield
+  finally:
+    os.dup2(saved, 2)
+    os.close(saved)
+    os.close(devnull)
+
+
+def _drop_pending_reads(e: BaseException) -> None:
+  """Frees what a failed orbax read left behind, with stderr muted: the tensorstore reads still
+  pending in its frames are cancelled when freed, and each cancellation reports into orbax's
+  finished event loop with a printed traceback that would bury the one-line error."""
+  with _stderr_muted():
+    traceback.clear_frames(e.__traceback__)
+    e.__traceback__ = None
+    gc.collect()
+    time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def _reading(what: str, path, expected: str):
+  """Turns any failure of reading ``path`` (orbax, tensorstore, JSON, the file system: they raise
+  many unrelated types) into one ``CheckpointError`` line."""
+  try:
+    yield
+  except CheckpointError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    message = f"{what}={str(path)!r} cannot be read ({_first_line(e)}); expected {expected}"
+    _drop_pending_reads(e)
+    raise CheckpointError(message) from None
+
+
+PARAMS_DIR = "a params directory (params/ + model.json, as decay_jax.io.convert writes)"
+
+
 def save_params(directory: str, params: Any, model) -> None:
   """Writes ``directory/params`` (orbax) and ``directory/model.json``; ``directory`` may be a URI."""
   directory = paths.resolve(directory)
@@ -30,13 +89,23 @@ def save_params(directory: str, params: Any, model) -> None:
                    {"class": type(model).__name__, "fields": factory.model_fields(model)})
 
 
-def load_params(directory: str) -> Tuple[Any, Any]:
-  """Returns ``(model, params)`` saved by ``save_params`` (params restored on the default device)."""
-  directory = paths.resolve(directory)
-  meta = paths.read_json(directory / "model.json")
-  model = factory.model_from_fields(meta["class"], meta["fields"])
-  with ocp.StandardCheckpointer() as ckptr:
-    params = ckptr.restore(directory / "params")
+def load_params(directory: str, what: str = "checkpoint") -> Tuple[Any, Any]:
+  """Returns ``(model, params)`` saved by ``save_params`` (params restored on the default device).
+
+  ``what`` names the argument in errors (``checkpoint``, ``vae``, ``inception``, ``params``).
+  """
+  root = paths.resolve(directory)
+  if not (root / "model.json").exists():
+    raise CheckpointError(f"{what}={directory!r} is not allowed; it has no model.json (expected "
+                          f"{PARAMS_DIR})")
+  with _reading(what, directory, PARAMS_DIR):
+    meta = paths.read_json(root / "model.json")
+    model = factory.model_from_fields(meta["class"], meta["fields"])
+    ckptr = ocp.StandardCheckpointer()
+    params = ckptr.restore(root / "params")
+  # Closed only on success: after a failed read, tensorstore reads still in flight complete into
+  # the checkpointer's event loop, which prints a traceback for each if it is closed.
+  ckptr.close()
   return model, jax.tree_util.tree_map(jnp.asarray, params)
 
 
@@ -77,8 +146,11 @@ class RunCheckpoints:
     """Restores ``step`` with each array placed by ``shardings`` (any device count)."""
     target = jax.tree_util.tree_map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
-    out = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+    with _reading("workdir", self.manager.directory.parent,
+                  f"checkpoints/{step} to hold this config's train state; move it aside to resume "
+                  "from the step before, or use a new workdir"):
+      out = self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
     return out["state"], out["meta"]
 
   def wait(self) -> None:
@@ -118,9 +190,10 @@ def run_config(workdir: str, task: Optional[str] = None):
   """
   path = paths.resolve(workdir) / "config.json"
   if not path.exists():
-    raise ValueError(f"workdir={workdir!r} is not allowed; it has no config.json (not a run of "
-                     "decay_jax.main or decay_jax.cli.compare)")
-  saved = paths.read_json(path)
+    raise CheckpointError(f"workdir={workdir!r} is not allowed; it has no config.json (not a run "
+                          "of decay_jax.main or decay_jax.cli.compare)")
+  with _reading("workdir", workdir, "a run's config.json (JSON written by decay_jax.main)"):
+    saved = paths.read_json(path)
   if task is not None and saved.get("task") != task:
     raise ValueError(f"workdir={workdir!r} is not allowed; its task is {saved.get('task')!r}, "
                      f"this command needs {task!r}")
@@ -143,13 +216,20 @@ def restore_run_params(workdir: str, mesh, step: int = -1, weights: str = "param
   """
   steps = checkpoint_steps(workdir)
   if not steps:
-    raise ValueError(f"workdir={workdir!r} is not allowed; it has no checkpoint in checkpoints/")
+    raise CheckpointError(f"workdir={workdir!r} is not allowed; it has no checkpoint in "
+                          "checkpoints/ (expected a run of decay_jax.main)")
   step = steps[-1] if step < 0 else step
   if step not in steps:
     raise ValueError(f"step={step} is not allowed; {workdir!r} has steps {steps}")
   path = paths.resolve(workdir) / "checkpoints" / str(step) / "state"
-  with ocp.StandardCheckpointer() as ckptr:
+  expected = f"an orbax train state with {weights!r} (a checkpoint of decay_jax.main)"
+  with _reading("workdir", workdir, expected):
+    ckptr = ocp.StandardCheckpointer()
     meta = ckptr.metadata(path).item_metadata
+  ckptr.close()  # only on success (see load_params)
+  if meta is None:
+    raise CheckpointError(f"workdir={workdir!r} cannot be read (checkpoints/{step}/state has no "
+                          f"metadata); expected {expected}")
   if weights not in meta:
     raise ValueError(f"weights={weights!r} is not allowed; the checkpoint holds "
                      f"{sorted(meta.keys())}")
@@ -158,8 +238,9 @@ def restore_run_params(workdir: str, mesh, step: int = -1, weights: str = "param
   shardings = shd.param_shardings(abstract, mesh)
   target = {weights: jax.tree_util.tree_map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)}
-  ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
-  out = ckptr.restore(path, args=ocp.args.PyTreeRestore(
-      item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-      partial_restore=True))
+  with _reading("workdir", workdir, expected):
+    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    out = ckptr.restore(path, args=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True))
   return out[weights], step

@@ -32,11 +32,12 @@ Grids (``--grid``, comma-separated; ``all`` is every grid):
 import sys
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from decay_jax import logs, paths
 from decay_jax import sharding as shd
+from decay_jax.cli import errors
 from decay_jax.train import trainer
 from research.small_scale_study import study as study_lib
 
@@ -117,4 +118,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run(main)
