@@ -66,10 +66,15 @@ def _imports(path: str):
   return out
 
 
+ALIASES = {"main", "convert"}  # decay_jax.main, decay_jax.convert: command aliases, layer cli
+
+
 def _layer(module: str) -> str:
   parts = module.split(".")
-  if len(parts) == 1 or parts[1] in BASE or parts[1] == "main":
-    return "cli" if parts[-1] == "main" else "base"
+  if len(parts) == 2 and parts[1] in ALIASES:
+    return "cli"
+  if len(parts) == 1 or parts[1] in BASE:
+    return "base"
   return parts[1]
 
 

@@ -12,7 +12,9 @@ The user supplies the weight files (nothing is downloaded):
 The tables map every Flax leaf to one torch key (same names, ``name_i`` <-> ``name.i``); unknown,
 missing and mis-shaped tensors raise ``ConversionError`` naming the key (the engine of
 ``decay_jax.io.convert``). Output: an orbax params directory plus ``model.json``
-(``checkpoint.load_params`` rebuilds the model).
+(``checkpoint.load_params`` rebuilds the model). Files and ``--config`` are read through
+``etils.epath`` (``gs://`` works); torch files with the tensors-only unpickler (a pickle holding
+code is refused, never run). Every bad input is one line naming the argument, exit status 2.
 
     python -m decay_jax.io.convert_external vae --checkpoint diffusion_pytorch_model.safetensors \
         --config config.json --out /data/sd_vae_ft_ema
@@ -23,7 +25,6 @@ missing and mis-shaped tensors raise ``ConversionError`` naming the key (the eng
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from decay_jax import validate
 from decay_jax.io import convert
 from decay_jax.io.convert import ConversionError, Report, Rule
 from decay_jax.models import inception as inception_lib
@@ -136,25 +138,76 @@ def inception_to_torch(params: Mapping, model: inception_lib.FIDInceptionV3):
   return convert.to_torch(params, inception_rules(model))
 
 
-def load_state_dict(path: str) -> Mapping:
-  """A ``.safetensors`` file (needs the ``safetensors`` package) or a torch ``.pth/.bin/.pt``."""
-  if path.endswith(".safetensors"):
+EXPECTED = {
+    "vae": "diffusers AutoencoderKL weights (diffusion_pytorch_model.safetensors or .bin)",
+    "inception": "pytorch-fid's FID Inception weights (pt_inception-2015-12-05-6726825d.pth)",
+}
+CONFIG_EXPECTED = ("diffusers' config.json of the VAE (a JSON object with norm_num_groups, "
+                   "scaling_factor)")
+
+
+def load_state_dict(path: str, arg: str = "--checkpoint",
+                    expected: str = "a state_dict (.safetensors, or a torch .pth/.bin/.pt)"
+                    ) -> Mapping:
+  """A state_dict from a safetensors file or a torch ``.pth/.bin/.pt`` (local or a URI).
+
+  The format is told by the file's first bytes, not its name; a file named ``.safetensors`` must be
+  one. Torch files are read as ``convert.read_torch_file`` reads them (tensors only; a pickle that
+  holds code is refused). Every failure is one ``convert.InputError`` line naming ``arg``.
+  """
+  p = convert.input_file(path, arg, expected)
+  head = convert.read_head(p, arg, path, expected)
+  if convert.is_safetensors(head):
     try:
-      from safetensors.numpy import load_file
+      from safetensors.numpy import load  # pylint: disable=import-outside-toplevel
     except ImportError:
       raise SystemExit("reading .safetensors needs: pip install safetensors==0.8.0") from None
-    return load_file(path)
-  sd = convert.load_torch_checkpoint(path)
-  return sd.get("state_dict", sd) if isinstance(sd, Mapping) else sd
+    try:
+      return load(p.read_bytes())
+    except Exception as e:  # pylint: disable=broad-except  (SafetensorError and friends)
+      raise convert.bad_input(arg, path, f"cannot be read; it is a damaged safetensors file "
+                              f"({convert.error_detail(e)})", expected) from None
+  if path.endswith(".safetensors"):
+    raise convert.bad_input(arg, path, "is not a safetensors file (its header is not one)",
+                            expected)
+  sd = convert.read_torch_file(path, arg, expected)
+  if isinstance(sd, Mapping):
+    sd = sd.get("state_dict", sd)
+  if not isinstance(sd, Mapping):
+    raise convert.bad_input(arg, path, f"holds a {type(sd).__name__}, not a state_dict", expected)
+  return sd
 
 
 def _vae_overrides(config_path: Optional[str], groups: Optional[int], scale: Optional[float]):
+  """``norm_num_groups`` and ``scaling_factor`` from the flags, else ``config.json``, else SD's."""
   cfg = {}
   if config_path:
-    with open(config_path) as f:
-      cfg = json.load(f)
-  return dict(norm_num_groups=int(groups or cfg.get("norm_num_groups", 32)),
-              scaling_factor=float(scale or cfg.get("scaling_factor", 0.18215)))
+    p = convert.input_file(config_path, "--config", CONFIG_EXPECTED)
+    try:
+      cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+      raise convert.bad_input("--config", config_path, f"is not JSON ({convert.error_detail(e)})",
+                              CONFIG_EXPECTED) from None
+    except Exception as e:  # pylint: disable=broad-except  (not text, unreadable)
+      detail = convert.error_detail(e)
+      raise convert.bad_input("--config", config_path, f"cannot be read ({detail})",
+                              CONFIG_EXPECTED) from None
+    if not isinstance(cfg, dict):
+      raise convert.bad_input("--config", config_path, f"holds a JSON {type(cfg).__name__}, not an "
+                              "object", CONFIG_EXPECTED)
+  out = {}
+  for key, flag, value, cast, default in (("norm_num_groups", "--groups", groups, int, 32),
+                                          ("scaling_factor", "--scale", scale, float, 0.18215)):
+    if value is not None:
+      out[key] = value
+      continue
+    try:
+      out[key] = cast(cfg.get(key, default))
+    except (TypeError, ValueError):
+      kind = "an integer" if cast is int else "a number"
+      raise convert.bad_input("--config", config_path, f"its {key}={cfg[key]!r} is not {kind} "
+                              f"(or pass {flag})", CONFIG_EXPECTED) from None
+  return out
 
 
 def random_params(targets: Mapping[Tuple[str, ...], jax.ShapeDtypeStruct], seed: int,
@@ -190,9 +243,51 @@ def random_inception(seed: int = 0):
   return model, random_params(inception_targets(model), seed, gain=2.0)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _read_model(a):
+  """``(model, params, report)`` of the kind on the command line."""
+  if a.kind in ("vae", "inception"):
+    expected = EXPECTED[a.kind]
+    if not a.checkpoint:
+      raise convert.bad_input("--checkpoint", None, f"{a.kind} needs the weights file", expected)
+    overrides = _vae_overrides(a.config, a.groups, a.scale) if a.kind == "vae" else None
+    sd = load_state_dict(a.checkpoint, "--checkpoint", expected)
+    try:
+      if a.kind == "vae":
+        sd = _modernise_vae_keys(sd)
+        model = vae_lib.AutoencoderKL(**infer_vae_fields(sd), **overrides)
+        params, report = vae_from_torch(sd, model)
+      else:
+        model = inception_lib.FIDInceptionV3()
+        params, report = inception_from_torch(sd, model)
+    except (ConversionError, KeyError, TypeError, IndexError, AttributeError) as e:
+      detail = (str(e) if isinstance(e, ConversionError)
+                else f"its tensors cannot be read ({convert.error_detail(e)})")
+      raise convert.bad_input("--checkpoint", a.checkpoint, detail, expected) from None
+    except ValueError as e:  # the model refuses fields read off the file or the config
+      raise convert.bad_input("--checkpoint", a.checkpoint, f"its tensors and settings do not make "
+                              f"a valid model ({e})", expected) from None
+    return model, params, report
+  if a.kind == "random-vae":
+    try:
+      channels = [int(c) for c in a.channels.split(",")]
+    except ValueError:
+      raise convert.bad_input("--channels", a.channels, "is not a list of integers",
+                              "block widths like 128,256,512,512") from None
+    try:
+      model, params = random_vae(channels, a.groups or 32, a.layers, seed=a.seed,
+                                 scale=a.scale or 0.18215)
+    except ValueError as e:  # the model's own check names the field it refuses
+      arg, value = ("--groups", a.groups) if "norm_num_groups" in str(e) else ("--channels",
+                                                                                a.channels)
+      raise convert.bad_input(arg, value, str(e)) from None
+    return model, params, Report()
+  model, params = random_inception(a.seed)
+  return model, params, Report()
 
-  p = argparse.ArgumentParser(prog="python -m decay_jax.io.convert_external",
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """The command line; returns the exit status (2: bad input, one line on stderr)."""
+  p = validate.ArgumentParser(prog="python -m decay_jax.io.convert_external",
                               description=__doc__.split("\n")[0])
   p.add_argument("kind", choices=("vae", "inception", "random-vae", "random-inception"))
   p.add_argument("--checkpoint", help="vae: diffusers .safetensors/.bin; inception: the .pth")
@@ -205,40 +300,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--seed", type=int, default=0, help="random-*: init seed")
   a = p.parse_args(argv)
   try:
-    if a.kind in ("vae", "inception") and not a.checkpoint:
-      raise ConversionError(f"{a.kind} needs --checkpoint (the weights file)")
-    if a.kind == "vae":
-      sd = _modernise_vae_keys(load_state_dict(a.checkpoint))
-      model = vae_lib.AutoencoderKL(**infer_vae_fields(sd),
-                                    **_vae_overrides(a.config, a.groups, a.scale))
-      params, report = vae_from_torch(sd, model)
-    elif a.kind == "inception":
-      model = inception_lib.FIDInceptionV3()
-      params, report = inception_from_torch(load_state_dict(a.checkpoint), model)
-    elif a.kind == "random-vae":
-      try:
-        channels = [int(c) for c in a.channels.split(",")]
-      except ValueError:
-        raise ConversionError(f"channels={a.channels!r} is not allowed; give integers like "
-                              "128,256,512,512") from None
-      model, params = random_vae(channels, a.groups or 32, a.layers, seed=a.seed,
-                                 scale=a.scale or 0.18215)
-      report = Report()
-    else:
-      model, params = random_inception(a.seed)
-      report = Report()
-  except (ConversionError, ValueError) as e:
+    convert.check_out_dir(a.out)
+    model, params, report = _read_model(a)
+    print(report.summary() if report.loaded else f"random weights (seed {a.seed}): for pipeline "
+          "tests only; metrics and latents made with them mean nothing")
+    try:
+      checkpoint.save_params(a.out, params, model)
+    except Exception as e:  # pylint: disable=broad-except  (file systems and object stores)
+      raise convert.bad_input("--out", a.out, f"cannot be written ({convert.error_detail(e)})",
+                              convert.OUT_DIR) from None
+  except convert.InputError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(report.summary() if report.loaded else f"random weights (seed {a.seed}): for pipeline "
-        "tests only; metrics and latents made with them mean nothing")
-  checkpoint.save_params(a.out, params, model)
   print(f"wrote {a.out} ({type(model).__name__})")
   return 0
 
 
 def run():
-  sys.exit(main())
+  convert.exit_with(main())
 
 
 if __name__ == "__main__":
