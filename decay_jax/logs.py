@@ -4,6 +4,7 @@ import logging
 import numbers
 import os
 import platform
+import sys
 
 from absl import logging as absl_logging
 
@@ -73,3 +74,31 @@ def compact_results(results: dict) -> str:
   at most 8 entries and about 170 characters (results.json has them all)."""
   return compact(results, HEADLINE, limit=8, width=170, skip="/block_",
                  more="more in results.json")
+
+
+def exit_with(status: int) -> None:
+  """Ends the process with ``status``. After bad input (2) the one line is out and nothing was
+  written; tensorstore reads still in flight after a failed orbax read would print a traceback
+  each from other threads, so stderr is closed and the process ends at once."""
+  if status == 2:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    os._exit(2)
+  sys.exit(status)
+
+
+def ignore_closed_loop_callbacks() -> None:
+  """Installs a ``sys.excepthook`` that drops one known-harmless report: after a failed orbax
+  read, tensorstore completes the reads still in flight from its own threads into orbax's
+  finished event loop, and each ``call_soon_threadsafe`` raises ``RuntimeError('Event loop is
+  closed')``, printed as a traceback that would bury the one-line error. Everything else goes to
+  the previous hook."""
+  previous = sys.excepthook
+
+  def hook(kind, value, tb):
+    if kind is RuntimeError and str(value) == "Event loop is closed":
+      return
+    previous(kind, value, tb)
+
+  sys.excepthook = hook

@@ -19,6 +19,7 @@ from typing import Callable, List, NoReturn
 from absl import app, flags
 from ml_collections.config_flags import config_flags
 
+from decay_jax import logs
 from decay_jax.train.checkpoint import CheckpointError
 
 FLAGS = flags.FLAGS
@@ -109,13 +110,8 @@ def run(main: Callable[[List[str]], int]) -> None:
       print(f"error: {one_line(e)}", file=sys.stderr)
       status = 2
     if status == 2:
-      # Bad input: nothing was written, the one line is out. After a failed checkpoint read the
-      # tensorstore reads still in flight complete into orbax's finished event loop from other
-      # threads, each printing a traceback: stderr is closed and the process ends at once.
-      sys.stdout.flush()
-      sys.stderr.flush()
-      os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
-      os._exit(2)
+      logs.exit_with(2)  # bad input: the one line is out; stray tracebacks are not
     return status
 
+  logs.ignore_closed_loop_callbacks()
   app.run(guarded, flags_parser=parse_flags)

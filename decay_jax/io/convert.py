@@ -54,7 +54,7 @@ import numpy as np
 from etils import epath
 from flax import traverse_util
 
-from decay_jax import paths
+from decay_jax import logs, paths
 from decay_jax import sharding as shd
 from decay_jax import validate
 from decay_jax.models import factory
@@ -1053,20 +1053,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 2
 
 
-def exit_with(status: int) -> None:
-  """Ends the process with ``status``. After bad input (2) the one line is out and nothing was
-  written; tensorstore reads still in flight after a failed orbax read would print a traceback
-  each from other threads, so stderr is closed and the process ends at once."""
-  if status == 2:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
-    os._exit(2)
-  sys.exit(status)
 
 
 def run():
-  exit_with(main())
+  logs.ignore_closed_loop_callbacks()
+  logs.exit_with(main())
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decay_jax import validate
+from decay_jax import logs, validate
 from decay_jax.io import convert
 from decay_jax.io.convert import ConversionError, Report, Rule
 from decay_jax.models import inception as inception_lib
@@ -317,7 +317,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def run():
-  convert.exit_with(main())
+  logs.ignore_closed_loop_callbacks()
+  logs.exit_with(main())
 
 
 if __name__ == "__main__":
