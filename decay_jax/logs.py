@@ -88,17 +88,62 @@ def exit_with(status: int) -> None:
   sys.exit(status)
 
 
-def ignore_closed_loop_callbacks() -> None:
-  """Installs a ``sys.excepthook`` that drops one known-harmless report: after a failed orbax
-  read, tensorstore completes the reads still in flight from its own threads into orbax's
-  finished event loop, and each ``call_soon_threadsafe`` raises ``RuntimeError('Event loop is
-  closed')``, printed as a traceback that would bury the one-line error. Everything else goes to
-  the previous hook."""
-  previous = sys.excepthook
+def _from_checkpoint_io(tb) -> bool:
+  while tb is not None:
+    name = tb.tb_frame.f_code.co_filename
+    if "/orbax/" in name or "/tensorstore/" in name:
+      return True
+    tb = tb.tb_next
+  return False
 
-  def hook(kind, value, tb):
-    if kind is RuntimeError and str(value) == "Event loop is closed":
+
+def _read_coroutine(obj) -> bool:
+  code = getattr(obj, "cr_code", None)
+  name = getattr(code, "co_filename", "")
+  return "/orbax/" in name or "/tensorstore/" in name
+
+
+class _OrphanReadTasks(logging.Filter):
+  """Drops asyncio's "Task exception was never retrieved" for tasks of orbax/tensorstore reads
+  (the siblings of a read that failed first; their own failure is the same one)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if not str(record.msg).startswith("Task exception was never retrieved"):
+      return True
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (exc is not None and _from_checkpoint_io(exc.__traceback__))
+
+
+def quiet_failed_reads() -> None:
+  """Silences the known-harmless reports that follow a failed orbax read, which would bury the
+  one-line error. Orbax gathers its tensorstore reads in a private event loop and closes it at the
+  first failure, so (1) the reads still in flight complete from tensorstore's threads into the
+  closed loop, each ``call_soon_threadsafe`` raising ``RuntimeError('Event loop is closed')``
+  into ``sys.unraisablehook``; (2) read coroutines freed unfinished report there too (dropped
+  only when the coroutine or the traceback belongs to orbax/tensorstore); (3) sibling read tasks
+  that failed as well are reported by asyncio's logger when collected. Everything else goes
+  where it went before."""
+  previous = sys.unraisablehook
+  if getattr(previous, "_decay_jax", False):
+    return
+
+  def hook(unraisable):
+    value = unraisable.exc_value
+    if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
       return
-    previous(kind, value, tb)
+    if _read_coroutine(unraisable.object) or _from_checkpoint_io(unraisable.exc_traceback):
+      return
+    previous(unraisable)
 
-  sys.excepthook = hook
+  hook._decay_jax = True  # pylint: disable=protected-access
+  sys.unraisablehook = hook
+  asyncio_logger = logging.getLogger("asyncio")
+  if not any(isinstance(f, _OrphanReadTasks) for f in asyncio_logger.filters):
+    asyncio_logger.addFilter(_OrphanReadTasks())
+
+
+def run_command(main) -> None:
+  """Runs an argparse command's ``main() -> status`` with ``quiet_failed_reads`` and ends the
+  process through ``exit_with``."""
+  quiet_failed_reads()
+  exit_with(main())

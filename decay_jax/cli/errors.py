@@ -113,5 +113,5 @@ def run(main: Callable[[List[str]], int]) -> None:
       logs.exit_with(2)  # bad input: the one line is out; stray tracebacks are not
     return status
 
-  logs.ignore_closed_loop_callbacks()
+  logs.quiet_failed_reads()
   app.run(guarded, flags_parser=parse_flags)

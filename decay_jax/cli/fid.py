@@ -97,7 +97,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def run():
-  sys.exit(main())
+  logs.run_command(main)
 
 
 if __name__ == "__main__":

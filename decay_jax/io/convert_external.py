@@ -317,8 +317,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def run():
-  logs.ignore_closed_loop_callbacks()
-  logs.exit_with(main())
+  logs.run_command(main)
 
 
 if __name__ == "__main__":
