@@ -88,19 +88,18 @@ def exit_with(status: int) -> None:
   sys.exit(status)
 
 
+def _is_checkpoint_io(code) -> bool:
+  """Whether a code object (``None`` allowed) belongs to orbax or tensorstore."""
+  name = getattr(code, "co_filename", "")
+  return "/orbax/" in name or "/tensorstore/" in name
+
+
 def _from_checkpoint_io(tb) -> bool:
   while tb is not None:
-    name = tb.tb_frame.f_code.co_filename
-    if "/orbax/" in name or "/tensorstore/" in name:
+    if _is_checkpoint_io(tb.tb_frame.f_code):
       return True
     tb = tb.tb_next
   return False
-
-
-def _read_coroutine(obj) -> bool:
-  code = getattr(obj, "cr_code", None)
-  name = getattr(code, "co_filename", "")
-  return "/orbax/" in name or "/tensorstore/" in name
 
 
 class _OrphanReadTasks(logging.Filter):
@@ -131,7 +130,8 @@ def quiet_failed_reads() -> None:
     value = unraisable.exc_value
     if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
       return
-    if _read_coroutine(unraisable.object) or _from_checkpoint_io(unraisable.exc_traceback):
+    if (_is_checkpoint_io(getattr(unraisable.object, "cr_code", None))
+        or _from_checkpoint_io(unraisable.exc_traceback)):
       return
     previous(unraisable)
 

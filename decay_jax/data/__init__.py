@@ -1,10 +1,11 @@
-"""Input pipelines: the shipped MNIST subset, external npz files, latent shards and TFDS datasets.
+"""The input pipeline: the shipped MNIST subset, npz files, image folders, TFDS and latent shards.
 
 ``pipeline``: the public functions re-exported here. ``config``: the data config's fields, defaults
-and checks. ``sources``: one source per kind of dataset. ``augment``: the numpy + PIL preprocessing
-of in-memory images and its exact-resume guarantee. ``tf_augment``: the tf.data preprocessing of
-TFDS datasets (TensorFlow is imported lazily there). ``latents``: latent shards. ``embedded``: the
-shipped MNIST subset and the command that builds it.
+and checks. ``sources``: one source per kind of dataset, each giving random-access records
+(``npz``, ``folder``, ``tfds_records``, ``latents``; ``splits`` parses their split strings).
+``loader``: the Grain pipeline and its exact-resume guarantee. ``augment``: the one numpy + Pillow
+preprocessing. ``embedded``: the shipped MNIST subset and the command that builds it. ``bench``:
+the input pipeline's throughput.
 """
 
 from decay_jax.data.pipeline import dataset_info

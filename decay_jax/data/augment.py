@@ -1,19 +1,16 @@
-"""Host-side (numpy + PIL) preprocessing of in-memory uint8 images: MAE's augmentation and resizes.
+"""MAE's image preprocessing on the host (numpy + Pillow): the augmentation, the resizes, the
+normalisation. One implementation for every source; ``decay_jax.data.loader`` applies it per record.
 
-In-memory sources are deterministic and exactly resumable. The training order is the
-concatenation of per-epoch permutations drawn from ``(seed, epoch)``; global step ``s`` consumes the
-global positions ``[s B, (s + 1) B)`` and process ``p`` of ``P`` takes the slice
-``[s B + p B / P, s B + (p + 1) B / P)``; the augmentation of the example at global position ``g``
-uses its own ``numpy`` Generator seeded by ``SeedSequence([seed, stream, g])``. So an iterator
-started at ``start_step=s`` yields exactly what an uninterrupted one yields at step ``s``, whatever
-the process count. Crops are resized on the host with PIL (bicubic, as torchvision on PIL images);
-sampling, flips and normalisation are vectorised over the batch.
+The augmentation of the example at global position ``g`` uses its own ``numpy`` Generator seeded
+by ``SeedSequence([seed, 1, g])`` (``example_uniforms``), so it depends on nothing but the seed and
+the position. Crops are resized with Pillow (bicubic, as torchvision on PIL images); sampling and
+flips follow torchvision's ``RandomResizedCrop`` and ``RandomHorizontalFlip`` draw for draw.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterator, Tuple
+from typing import Tuple
 
 import ml_collections
 import numpy as np
@@ -28,8 +25,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 EVAL_CROP_PCT = 0.875
 # torchvision RandomResizedCrop tries 10 (area, log-ratio) samples before its centre-crop fallback.
 RRC_ATTEMPTS = 10
-# Independent SeedSequence streams derived from the same user seed (tf_augment uses 2 and 3).
-_PERM_STREAM, _AUG_STREAM = 0, 1
+# The SeedSequence stream of the augmentation draws (the order uses stream 0, see loader.py).
+_AUG_STREAM = 1
 # Uniforms drawn per example: RRC_ATTEMPTS areas, RRC_ATTEMPTS log-ratios, top, left, flip.
 NUM_UNIFORMS = 2 * RRC_ATTEMPTS + 3
 _BICUBIC = Image.Resampling.BICUBIC
@@ -102,7 +99,7 @@ def _pil_resize(image: np.ndarray, height: int, width: int) -> np.ndarray:
   return _from_pil_planes(planes, image.shape[-1])
 
 
-def _eval_resize_one(image: np.ndarray, size: int, mode: str) -> np.ndarray:
+def eval_resize_one(image: np.ndarray, size: int, mode: str) -> np.ndarray:
   """uint8 (H, W, C) -> uint8 (size, size, C) by 'resize' or MAE's 'resize_crop'."""
   if mode == "resize":
     return _pil_resize(image, size, size)
@@ -119,60 +116,13 @@ def _eval_resize_one(image: np.ndarray, size: int, mode: str) -> np.ndarray:
   return resized[top:top + size, left:left + size]
 
 
-def _eval_resize_batch(images: np.ndarray, size: int, mode: str) -> np.ndarray:
-  """uint8 (N, H, W, C) -> uint8 (N, size, size, C)."""
-  out = np.empty((len(images), size, size, images.shape[-1]), np.uint8)
-  for i, image in enumerate(images):
-    out[i] = _eval_resize_one(image, size, mode)
-  return out
-
-
-def eval_images(images: np.ndarray, cfg: ml_collections.ConfigDict) -> np.ndarray:
-  """Evaluation preprocessing, no augmentation: uint8 (N, H, W, C) -> float32 (N, S, S, C).
-
-  ``cfg`` (``image_size``, ``eval_resize``, ``normalize``) must have passed
-  ``config.check_fields``.
-  """
-  resized = _eval_resize_batch(images, cfg.image_size, cfg.eval_resize)
-  return _normalize(resized, cfg.normalize)
-
-
 # ------------------------------------------------------------------------------------------------
-# Order and per-example seeds.
+# Per-example draws.
 
 
-def _epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
-  """The order of epoch ``epoch``: int64 (n,), a permutation drawn from (seed, epoch)."""
-  rng = np.random.default_rng([seed_words(seed), _PERM_STREAM, epoch])
-  return rng.permutation(n)
-
-
-def _example_indices(positions: np.ndarray, seed: int, n: int, cache: dict) -> np.ndarray:
-  """Dataset indices of global positions: int64 (L,) -> int64 (L,).
-
-  ``cache`` maps epoch -> permutation; only the epochs of the current batch are kept.
-  """
-  epochs, offsets = np.divmod(positions, n)
-  needed = set(np.unique(epochs).tolist())
-  for epoch in list(cache):
-    if epoch not in needed:
-      del cache[epoch]
-  out = np.empty_like(positions)
-  for epoch in needed:
-    if epoch not in cache:
-      cache[epoch] = _epoch_permutation(seed, epoch, n)
-    sel = epochs == epoch
-    out[sel] = cache[epoch][offsets[sel]]
-  return out
-
-
-def _example_uniforms(positions: np.ndarray, seed: int) -> np.ndarray:
-  """Per-example uniforms in [0, 1): float64 (L, NUM_UNIFORMS), from (seed, global position)."""
-  words = seed_words(seed)
-  return np.stack([
-      np.random.default_rng([words, _AUG_STREAM, int(g)]).random(NUM_UNIFORMS)
-      for g in positions
-  ]) if len(positions) else np.zeros((0, NUM_UNIFORMS))
+def example_uniforms(position: int, seed: int) -> np.ndarray:
+  """The draws of one example: float64 (NUM_UNIFORMS,) in [0, 1), from (seed, global position)."""
+  return np.random.default_rng([seed_words(seed), _AUG_STREAM, int(position)]).random(NUM_UNIFORMS)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -254,33 +204,3 @@ def augment_batch(images: np.ndarray, uniforms: np.ndarray, size: int,
     flip = uniforms[:, -1] < 0.5
     out[flip] = out[flip, :, ::-1]
   return out
-
-
-def train_batches(cfg: ml_collections.ConfigDict, images: np.ndarray, labels: np.ndarray,
-                  global_batch: int, seed: int, start_step: int, process_index: int,
-                  process_count: int) -> Iterator[Dict[str, np.ndarray]]:
-  """Deterministic in-memory batches; see the module docstring for the position scheme.
-
-  Args:
-    cfg: the data config, already through ``config.check_fields``.
-    images: uint8 (N, H, W, C), the training split.
-    labels: int32 (N,).
-    global_batch, seed, start_step, process_index, process_count: as ``make_train_iterator``,
-      already through ``config.check_batch``.
-
-  Yields:
-    ``{'image': float32 (L, S, S, C) normalised, 'label': int32 (L,)}``,
-    ``L = global_batch // process_count``.
-  """
-  n = len(labels)
-  local = global_batch // process_count
-  cache: dict = {}
-  step = start_step
-  while True:
-    first = step * global_batch + process_index * local
-    positions = np.arange(first, first + local, dtype=np.int64)
-    indices = _example_indices(positions, seed, n, cache)
-    uniforms = _example_uniforms(positions, seed)
-    batch = augment_batch(images[indices], uniforms, cfg.image_size, cfg)
-    yield {"image": _normalize(batch, cfg.normalize), "label": labels[indices]}
-    step += 1

@@ -8,12 +8,16 @@ Everything is driven by one ``ml_collections.ConfigDict`` (start from ``default_
 
   ``dataset``: ``'embedded_mnist'`` (the MNIST subset shipped in ``decay_jax/data/embedded/``),
       ``'npz:/abs/path.npz'`` (any npz with uint8 NHWC ``x_train``/``y_train`` and optionally
-      ``x_test``/``y_test``, ``class_names``), ``'latents:/dir'`` (pre-extracted latent shards, see
-      ``decay_jax.data.latents``), or a TFDS builder name such as ``'cifar10'`` or
-      ``'imagenet2012'`` (read from ``data_dir``).
-  ``train_split`` / ``eval_split``: ``'train'``, ``'test'``; in-memory sources also take Python
-      slices of those, e.g. ``'train[:8000]'`` / ``'train[8000:]'`` for an npz without a test set;
-      TFDS sources take any TFDS split string.
+      ``x_test``/``y_test``, ``class_names``), ``'imagefolder:/dir'`` (``dir/<split>/<class>/*``
+      JPEG/PNG images of any size; the sorted class folder names are the labels, as torchvision's
+      ``ImageFolder``), ``'latents:/dir'`` (pre-extracted latent shards, see
+      ``decay_jax.data.latents``), or a TFDS dataset name such as ``'cifar10'`` or
+      ``'imagenet2012'`` prepared in ArrayRecord format under ``data_dir`` (read through
+      ``tfds.data_source``; see docs/data.md).
+  ``train_split`` / ``eval_split``: ``'train'``, ``'test'`` (an image folder: the name of any of
+      its split folders, e.g. ``'val'``); npz and image folders also take Python slices, e.g.
+      ``'train[:8000]'`` / ``'train[8000:]'`` for an npz without a test set; TFDS sources take any
+      TFDS split string.
   ``image_size``: output resolution ``S``.
   ``crop_scale``, ``crop_ratio``, ``flip``: the MAE pretraining augmentation, i.e. torchvision's
       ``RandomResizedCrop(S, scale, ratio, BICUBIC)`` then ``RandomHorizontalFlip(0.5)``.
@@ -23,7 +27,12 @@ Everything is driven by one ``ml_collections.ConfigDict`` (start from ``default_
   ``eval_resize``: ``'resize_crop'`` (MAE evaluation: bicubic resize of the shorter side to
       ``int(S / 0.875)``, then a centre crop ``S``) or ``'resize'`` (bicubic resize straight to
       ``S x S``, for tiny images).
-  ``data_dir``, ``shuffle_buffer`` (TFDS only), ``max_eval_examples`` (None = the whole split).
+  ``channels``: None (the source's own: 1 for a folder of greyscale images, else 3) or 1 / 3 to
+      convert every decoded image of an image folder to that many channels.
+  ``num_workers``: Grain worker processes that read, decode and augment (0 = in this process).
+  ``num_threads``: threads per process preparing batches concurrently; ``prefetch``: batches
+      prepared ahead per process. None of the three changes a single value of the stream.
+  ``data_dir`` (TFDS only), ``max_eval_examples`` (None = the whole split).
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from decay_jax import validate
 
 EMBEDDED_MNIST = "embedded_mnist"
 NPZ_PREFIX = "npz:"
+IMAGEFOLDER_PREFIX = "imagefolder:"
 NORMALIZE = ("imagenet", "half", "none")
 EVAL_RESIZE = ("resize_crop", "resize")
 # The file behind dataset='embedded_mnist' (decay_jax.data.embedded builds it and re-exports these;
@@ -46,7 +56,8 @@ EMBEDDED_NPZ = os.path.join(EMBEDDED_DIR, "mnist_10k.npz")
 
 # The fields check_fields reads (its memory, ``validate.check_once``, is keyed by their values).
 _CHECKED_FIELDS = ("image_size", "crop_scale", "crop_ratio", "flip", "normalize", "eval_resize",
-                   "shuffle_buffer", "max_eval_examples", "dataset")
+                   "max_eval_examples", "dataset", "channels", "num_workers", "num_threads",
+                   "prefetch")
 
 
 def default_data_config() -> ml_collections.ConfigDict:
@@ -67,7 +78,10 @@ def default_data_config() -> ml_collections.ConfigDict:
       "normalize": "half",
       # Typed references, not bare None: a None field cannot be overridden from the command line.
       "data_dir": ml_collections.FieldReference(None, field_type=str),
-      "shuffle_buffer": 10_000,
+      "channels": ml_collections.FieldReference(None, field_type=int),
+      "num_workers": 0,
+      "num_threads": 2,
+      "prefetch": 2,
       "max_eval_examples": ml_collections.FieldReference(None, field_type=int),
       "eval_resize": "resize_crop",
   })
@@ -89,7 +103,11 @@ def _check_fields_uncached(cfg: ml_collections.ConfigDict) -> None:
   validate.check_flag("flip", cfg.flip)
   validate.check_choice("normalize", cfg.normalize, NORMALIZE)
   validate.check_choice("eval_resize", cfg.eval_resize, EVAL_RESIZE)
-  validate.check_int("shuffle_buffer", cfg.shuffle_buffer, 1)
+  validate.check_int("num_workers", cfg.num_workers, 0)
+  validate.check_int("num_threads", cfg.num_threads, 1)
+  validate.check_int("prefetch", cfg.prefetch, 1)
+  if cfg.channels is not None and cfg.channels not in (1, 3):
+    raise validate.not_allowed("channels", cfg.channels, "it must be None, 1 or 3")
   if cfg.max_eval_examples is not None and not (
       validate.is_int(cfg.max_eval_examples) and cfg.max_eval_examples >= 1):
     raise validate.not_allowed("max_eval_examples", cfg.max_eval_examples,

@@ -11,18 +11,20 @@ SiT trains on ``vae.encode(x).latent_dist.sample() * 0.18215``. A 5-D array hold
 every image, the original and its horizontal flip (the official training flips images before the
 VAE); each time an example is drawn one version is chosen at random. Shards are memory-mapped, so
 ImageNet-size splits need no RAM to open, and any number of shards may be appended (extraction
-can resume). Order and flips are a pure function of (seed, global position): resuming at a step
-reproduces the uninterrupted stream exactly, as for the other in-memory sources.
+can resume). Order and flips are a pure function of (seed, global position) and the stream runs
+through the same Grain loader as images (``decay_jax.data.loader``): resuming at a step reproduces
+the uninterrupted stream exactly, as for every other source.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterator, List
+from typing import Dict, List
 
 import numpy as np
 
 from decay_jax import paths
+from decay_jax.data import augment
 
 PREFIX = "latents:"
 _SHARD_RE = re.compile(r"^(?P<split>[a-z]+)_latents_(?P<idx>\d{5})\.npy$")
@@ -90,32 +92,53 @@ def dataset_info(data_cfg) -> dict:
           "channels": int(split.shape[-1]), "image_size": int(split.shape[0])}
 
 
-def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
-  return np.random.default_rng(np.random.SeedSequence([seed, 7, epoch])).permutation(n)
+# SeedSequence streams of the latent order and of the choice between original and flipped.
+ORDER_STREAM, FLIP_STREAM = 7, 8
 
 
-def make_train_iterator(data_cfg, global_batch: int, seed: int, start_step: int = 0,
-                        process_index: int = 0, process_count: int = 1) -> Iterator[dict]:
-  """``{'image': float32 (B/P, H, W, C), 'label': int32 (B/P,)}`` batches, exactly resumable."""
-  split = Split(path_of(data_cfg.dataset), data_cfg.train_split)
-  n, local = len(split), global_batch // process_count
-  perms: Dict[int, np.ndarray] = {}
-  step = start_step
-  while True:
-    first = step * global_batch + process_index * local
-    positions = np.arange(first, first + local, dtype=np.int64)
-    epochs = positions // n
-    for e in np.unique(epochs):
-      if e not in perms:
-        perms = {k: v for k, v in perms.items() if k >= e - 1}
-        perms[int(e)] = _permutation(seed, int(e), n)
-    indices = np.array([perms[int(e)][p % n] for e, p in zip(epochs, positions)], np.int64)
-    versions = np.array([np.random.default_rng(np.random.SeedSequence([seed, 8, int(p)]))
-                         .integers(0, 2) for p in positions], np.int64)
-    if not data_cfg.flip:
-      versions[:] = 0
-    yield split.gather(indices, versions)
-    step += 1
+class LatentRecords:
+  """``records[i] -> (float (H, W, C) or (2, H, W, C), int label)`` of one split; pickles as
+  (directory, split) and maps the shards again in each Grain worker."""
+
+  def __init__(self, directory: str, split: str):
+    self.directory, self.split = directory, split
+    self._split = Split(directory, split)
+
+  def __getstate__(self):
+    return {"directory": self.directory, "split": self.split, "_split": None}
+
+  def _get(self) -> Split:
+    if self._split is None:
+      self._split = Split(self.directory, self.split)
+    return self._split
+
+  def __len__(self) -> int:
+    return len(self._get())
+
+  def __getitem__(self, index: int):
+    split = self._get()
+    shard = int(np.searchsorted(split.offsets, index, side="right")) - 1
+    row = int(index) - int(split.offsets[shard])
+    return np.asarray(split.latents[shard][row], np.float32), int(split.labels[shard][row])
+
+
+class LatentTrainExample:
+  """``j -> {'image': float32 (H, W, C), 'label': int32}``: one latent, the flipped version with
+  probability 1/2 when the shards hold both (and ``flip``)."""
+
+  def __init__(self, records: LatentRecords, layout, seed: int, flip: bool, order):
+    self.records, self.layout, self.seed, self.flip, self.order = records, layout, seed, flip, order
+
+  def __call__(self, j: int) -> dict:
+    position = self.layout.position(j)
+    latent, label = self.records[self.order(position)]
+    if latent.ndim == 4:
+      version = 0
+      if self.flip:
+        version = int(np.random.default_rng(np.random.SeedSequence(
+            [augment.seed_words(self.seed), FLIP_STREAM, position])).integers(0, 2))
+      latent = latent[version]
+    return {"image": latent, "label": np.int32(label)}
 
 
 def load_eval_arrays(data_cfg, split_name: str) -> Dict[str, np.ndarray]:

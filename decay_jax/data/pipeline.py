@@ -1,14 +1,11 @@
-"""Input pipelines for MAE pretraining: the public face of ``decay_jax.data``.
+"""The input pipeline: the public face of ``decay_jax.data``.
 
 ``dataset_info``, ``make_train_iterator`` and ``load_eval_arrays`` take one data config
 (``default_data_config()``; the fields are documented in ``decay_jax.data.config``) and hand the
-work to the source its ``dataset`` names (``decay_jax.data.sources``):
-
-  in-memory arrays (the shipped MNIST subset, npz files): numpy + PIL on the host, deterministic
-      and exactly resumable (``decay_jax.data.augment`` states the guarantee);
-  latent shards (``decay_jax.data.latents``): exactly resumable too;
-  TFDS datasets: tf.data, valid but not bit-identical after a resume
-      (``decay_jax.data.tf_augment``); TensorFlow is imported only when such a source is used.
+work to the source its ``dataset`` names (``decay_jax.data.sources``: the shipped MNIST subset, npz
+files, image folders, TFDS datasets in ArrayRecord format, latent shards). All of them run through
+one Grain loader (``decay_jax.data.loader``) and one augmentation (``decay_jax.data.augment``), and
+every one resumes exactly: the stream is a pure function of (seed, step).
 
 The other public names here (``normalization``, ``normalize_uint8``, ``crop_params``, the
 constants) are re-exported from the modules that implement them.
@@ -60,28 +57,32 @@ def dataset_info(data_cfg: ml_collections.ConfigDict) -> dict:
 
 
 def make_train_iterator(data_cfg: ml_collections.ConfigDict, global_batch: int, seed: int,
-                        start_step: int = 0, process_index: int = 0,
-                        process_count: int = 1) -> Iterator[Dict[str, np.ndarray]]:
+                        start_step: int = 0, process_index: int = 0, process_count: int = 1,
+                        state: Optional[dict] = None) -> Iterator[Dict[str, np.ndarray]]:
   """Infinite iterator of augmented training batches for this process.
 
   Args:
     data_cfg: the data config.
     global_batch: examples per step over all processes; a multiple of ``process_count``.
     seed: any Python int; fixes the order and the augmentation.
-    start_step: first global step to produce (exact resumption for in-memory sources).
+    start_step: first global step to produce.
     process_index: this process, in ``[0, process_count)``.
     process_count: number of processes sharing each global batch.
+    state: what ``get_state()`` of an earlier stream returned at ``start_step`` (from a
+      checkpoint); Grain restores its iterator from it when it describes this stream (same
+      source, seed, batch layout and worker count), else the stream starts afresh at
+      ``start_step``. Either way the batches are the same.
 
   Returns:
-    An iterator of ``{'image': float32 (L, S, S, C) normalised, 'label': int32 (L,)}`` with
-    ``L = global_batch // process_count`` and ``S = image_size``. In-memory sources resume exactly
-    at ``start_step``; TFDS sources fold it into the shuffle and augmentation seeds, so their
-    resumed stream is valid but not bit-identical to the uninterrupted one.
+    A ``loader.TrainStream``: an endless iterator of ``{'image': float32 (L, S, S, C)
+    normalised, 'label': int32 (L,)}`` with ``L = global_batch // process_count`` and
+    ``S = image_size``, identical from ``start_step`` on to an uninterrupted stream's; it has
+    ``get_state()`` and ``close()``.
   """
   config.check_fields(data_cfg)  # before the batch arguments; source_for then finds it cached
   config.check_batch(global_batch, seed, start_step, process_index, process_count)
   return sources.source_for(data_cfg).train_iterator(global_batch, seed, start_step,
-                                                     process_index, process_count)
+                                                     process_index, process_count, state)
 
 
 def load_eval_arrays(data_cfg: ml_collections.ConfigDict,

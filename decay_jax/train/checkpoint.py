@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import traceback
 from typing import Any, List, Optional, Tuple
 
+import grain
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
@@ -96,11 +98,30 @@ def load_params(directory: str, what: str = "checkpoint") -> Tuple[Any, Any]:
 # ------------------------------------------------------------------------------------------------
 
 
+class _DataState:
+  """Hands a JSON state to Grain's orbax handler as the iterator it expects: saving takes the
+  snapshot given (taken at the step boundary, before the next batch is read), restoring keeps
+  what the file holds. Grain writes one ``process_<i>-of-<n>.json`` per process."""
+
+  def __init__(self, state: Optional[dict] = None):
+    self.state = state
+
+  def get_state(self) -> bytes:
+    return json.dumps(self.state).encode()
+
+  def set_state(self, state: bytes) -> None:
+    self.state = json.loads(state)
+
+  def start_prefetch(self) -> None:
+    pass
+
+
 class RunCheckpoints:
   """Checkpoints of a training run under ``workdir/checkpoints``.
 
   Each step directory holds ``state`` (params, optimiser state, step, rng key data; restored onto
-  whatever mesh the caller gives) and ``meta`` (JSON: step, examples seen, config). Keeps the last
+  whatever mesh the caller gives), ``meta`` (JSON: step, examples seen, config) and ``data`` (the
+  input pipeline's iterator state, one file per process, through Grain's handler). Keeps the last
   ``keep`` plus every ``keep_every_steps``-th. Saves are asynchronous: training continues while the
   files are written; orbax commits a step atomically, so a crash never leaves a half-written
   checkpoint behind as the latest one.
@@ -115,14 +136,30 @@ class RunCheckpoints:
         preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
         enable_async_checkpointing=async_save, create=True)
     self.manager = ocp.CheckpointManager(paths.resolve(workdir) / "checkpoints",
-                                         options=options, item_names=("state", "meta"))
+                                         options=options, item_names=("state", "meta", "data"))
 
   def latest_step(self):
     return self.manager.latest_step()
 
-  def save(self, step: int, state: Any, meta: dict) -> None:
-    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                    meta=ocp.args.JsonSave(meta)), force=True)
+  def save(self, step: int, state: Any, meta: dict, data: Optional[dict] = None) -> None:
+    """Saves ``step``; ``data`` is this process's input-stream state (JSON), if any."""
+    items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
+    if data is not None:
+      items["data"] = grain.checkpoint.CheckpointSave(item=_DataState(data))
+    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+  def restore_data(self, step: int) -> Optional[dict]:
+    """This process's input-stream state saved at ``step``, or None where there is none (an older
+    run, another process count, an unreadable file): the stream then restarts at ``step``,
+    which gives the same batches."""
+    if not (self.manager.directory / str(step) / "data").exists():
+      return None
+    try:
+      out = self.manager.restore(step, args=ocp.args.Composite(
+          data=grain.checkpoint.CheckpointRestore(item=_DataState())))
+    except Exception:  # pylint: disable=broad-except  (any failure: restart the stream instead)
+      return None
+    return out["data"].state
 
   def restore(self, step: int, abstract_state: Any, shardings: Any) -> Tuple[Any, dict]:
     """Restores ``step`` with each array placed by ``shardings`` (any device count)."""

@@ -139,8 +139,10 @@ def train_and_evaluate(config, workdir: str,
   ckpts = ckpt_lib.RunCheckpoints(workdir, config.checkpoint.keep,
                                   config.checkpoint.keep_every_steps, config.checkpoint.async_save)
   start = ckpts.latest_step()
+  data_state = None
   if start is not None:
     state, meta = ckpts.restore(start, abstract, shardings)
+    data_state = ckpts.restore_data(start)
     logging.info("resumed from step %d (%d examples seen)", start, meta["examples_seen"])
   else:
     start, meta = 0, {}
@@ -152,7 +154,10 @@ def train_and_evaluate(config, workdir: str,
   # ---------------------------------------------------------------------------------------------
   batches = pipeline.make_train_iterator(config.data, config.batch_size, config.seed,
                                          start_step=start, process_index=jax.process_index(),
-                                         process_count=jax.process_count())
+                                         process_count=jax.process_count(), state=data_state)
+  if start:
+    logging.info("input stream at step %d: %s", start, "restored from the checkpoint's Grain state"
+                 if batches.restored else "started afresh there (same batches)")
   train_step = step_lib.jit_train_step(
       step_lib.make_train_step(task, tx, schedule, config.accum_steps, config.ema_decay),
       shardings, mesh)
@@ -221,7 +226,7 @@ def train_and_evaluate(config, workdir: str,
           _check_finite(fetched, step, ckpts)
         ckpts.save(step, state, {"step": step, "examples_seen": step * config.batch_size,
                                  "seed": config.seed, "task": config.task,
-                                 "loss": results["loss"]})
+                                 "loss": results["loss"]}, data=batches.get_state())
       if evaluators.due(step, last):
         with report.timed("eval"):
           ev = evaluators.run(state["params"], step, last)
@@ -239,6 +244,7 @@ def train_and_evaluate(config, workdir: str,
       results.update(ev)
   finally:
     preemption.restore()
+    batches.close()
     ckpts.close()
     writer.flush()
   results["preempted"] = preempted

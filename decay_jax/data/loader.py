@@ -1,0 +1,236 @@
+"""The Grain input pipeline: exactly resumable training streams and evaluation arrays.
+
+Every source is random access (``records[i] -> (pixels, label)``), so the training stream is a pure
+function of the step. The order is the concatenation of per-epoch permutations drawn from
+``(seed, epoch)``; global step ``s`` consumes the global positions ``[s B, (s + 1) B)``, process
+``p`` of ``P`` the slice ``[s B + p B / P, s B + (p + 1) B / P)``, and the example at global
+position ``g = epoch * N + offset`` is augmented with draws seeded by ``(seed, g)``. Hence a stream
+started at step ``s`` yields exactly what an uninterrupted one yields at step ``s``, whatever the
+process count, worker count or thread count.
+
+Grain runs it: a ``MapDataset`` over this process's positions, mapped to augmented uint8 examples
+and batched (each batch is built by one thread of one worker, so workers never reorder anything),
+read by ``num_threads`` threads in each of ``num_workers`` processes (``mp_prefetch``), normalised
+to float32 in the training process. ``TrainStream.get_state()`` is Grain's iterator state plus the
+facts it is valid for; the trainer saves it in each checkpoint and hands it back on resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import grain
+from absl import flags
+import numpy as np
+
+from decay_jax.data import augment
+
+# MapDataset needs a length: a stream this long never ends in practice (2**48 examples).
+_ENDLESS = 1 << 48
+# Independent SeedSequence streams derived from the user seed (image order, image augmentation).
+IMAGE_ORDER_STREAM = 0
+IMAGE_AUGMENT_STREAM = 1
+_EVAL_CHUNK = 256
+
+
+class EpochOrder:
+  """Global position -> record index: epoch ``g // n`` is a permutation drawn from (seed, epoch)."""
+
+  def __init__(self, seed: int, n: int, stream: int):
+    self.seed, self.n, self.stream = augment.seed_words(seed), n, stream
+    self._cache: Dict[int, np.ndarray] = {}
+
+  def __getstate__(self):
+    return {"seed": self.seed, "n": self.n, "stream": self.stream, "_cache": {}}
+
+  def permutation(self, epoch: int) -> np.ndarray:
+    perm = self._cache.get(epoch)
+    if perm is None:
+      perm = np.random.default_rng([self.seed, self.stream, epoch]).permutation(self.n)
+      self._cache = {e: p for e, p in self._cache.items() if e >= epoch - 1}  # threads: 2 epochs
+      self._cache[epoch] = perm
+    return perm
+
+  def __call__(self, position: int) -> int:
+    epoch, offset = divmod(int(position), self.n)
+    return int(self.permutation(epoch)[offset])
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where this process's stream lies in the global one (see the module docstring)."""
+  global_batch: int
+  process_index: int
+  process_count: int
+  start_step: int
+
+  @property
+  def local_batch(self) -> int:
+    return self.global_batch // self.process_count
+
+  def position(self, j: int) -> int:
+    """Global position of this process's ``j``-th example counted from ``start_step``."""
+    step, i = divmod(int(j), self.local_batch)
+    return ((self.start_step + step) * self.global_batch
+            + self.process_index * self.local_batch + i)
+
+
+@dataclasses.dataclass(frozen=True)
+class AugmentSpec:
+  """The fields of the data config the image augmentation reads (picklable for workers)."""
+  image_size: int
+  crop_scale: Tuple[float, float]
+  crop_ratio: Tuple[float, float]
+  flip: bool
+  normalize: str
+  eval_resize: str
+
+  @classmethod
+  def of(cls, cfg) -> "AugmentSpec":
+    return cls(int(cfg.image_size), tuple(cfg.crop_scale), tuple(cfg.crop_ratio), bool(cfg.flip),
+               str(cfg.normalize), str(cfg.eval_resize))
+
+
+class ImageTrainExample:
+  """``j -> {'image': uint8 (S, S, C), 'label': int32}``: MAE's crop and flip of one record."""
+
+  def __init__(self, records, layout: Layout, seed: int, spec: AugmentSpec):
+    self.records, self.layout, self.spec, self.seed = records, layout, spec, seed
+    self.order = EpochOrder(seed, len(records), IMAGE_ORDER_STREAM)
+
+  def __call__(self, j: int) -> Dict[str, np.ndarray]:
+    position = self.layout.position(j)
+    image, label = self.records[self.order(position)]
+    uniforms = augment.example_uniforms(position, self.seed)
+    out = augment.augment_batch(image[None], uniforms[None], self.spec.image_size, self.spec)[0]
+    return {"image": out, "label": np.int32(label)}
+
+
+class Normalize:
+  """uint8 batch -> float32 batch ``(x / 255 - mean) / std`` (runs in the training process)."""
+
+  def __init__(self, mode: str):
+    self.mode = mode
+
+  def __call__(self, batch: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    return {"image": augment.normalize_uint8(batch["image"], self.mode), "label": batch["label"]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+  """How many workers, threads and prefetched batches (none of them changes a value)."""
+  num_workers: int = 0
+  num_threads: int = 2
+  prefetch: int = 2
+
+  @classmethod
+  def of(cls, cfg) -> "Parallelism":
+    return cls(int(cfg.num_workers), int(cfg.num_threads), int(cfg.prefetch))
+
+
+def stream_identity(layout: Layout, seed: int, parallel: Parallelism, source: str) -> dict:
+  """What a saved stream state must agree on to be restored (all but the start step)."""
+  return {"layout": dict(dataclasses.asdict(layout), start_step=None), "seed": seed,
+          "num_workers": parallel.num_workers, "source": source}
+
+
+def resume_layout(state: Any, layout: Layout, seed: int, parallel: Parallelism,
+                  source: str) -> Optional[Layout]:
+  """The layout of the stream that saved ``state``, if Grain can restore it at ``layout.start_step``.
+
+  A state qualifies when it was saved by a stream of the same source, seed, batch layout and
+  worker count and its next step is ``layout.start_step``; otherwise None (the caller starts a
+  fresh stream at ``start_step``, which yields the same batches).
+  """
+  if not isinstance(state, dict) or not isinstance(state.get("grain"), dict):
+    return None
+  saved = {k: state.get(k) for k in ("layout", "seed", "num_workers", "source")}
+  try:
+    saved_layout = Layout(**saved["layout"])
+  except TypeError:
+    return None
+  saved["layout"] = dict(saved["layout"], start_step=None)
+  if (json.loads(json.dumps(saved)) != stream_identity(layout, seed, parallel, source)
+      or state.get("next_step") != layout.start_step):
+    return None
+  return saved_layout
+
+
+class TrainStream:
+  """An endless iterator of training batches with a saveable state.
+
+  ``get_state()`` returns ``{'layout', 'seed', 'num_workers', 'source', 'next_step', 'grain'}``
+  (JSON-serialisable; ``grain`` is Grain's own iterator state); ``resume_layout`` and
+  ``restore`` take such a state back.
+  """
+
+  def __init__(self, example: Callable[[int], dict], layout: Layout, seed: int,
+               parallel: Parallelism, finish: Optional[Callable[[dict], dict]], source: str):
+    self.layout, self.seed, self.parallel, self.source = layout, seed, parallel, source
+    dataset = grain.MapDataset.range(_ENDLESS).map(example).batch(layout.local_batch)
+    stream = dataset.to_iter_dataset(grain.ReadOptions(
+        num_threads=parallel.num_threads, prefetch_buffer_size=parallel.prefetch))
+    if parallel.num_workers > 0:
+      # Grain's workers read absl flags; a library caller (a test, a notebook) has parsed none.
+      if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+      stream = stream.mp_prefetch(grain.MultiprocessingOptions(
+          num_workers=parallel.num_workers, per_worker_buffer_size=parallel.prefetch))
+    if finish is not None:
+      stream = stream.map(finish)
+    self._iterator = iter(stream)
+    self.next_step = layout.start_step
+    self.restored = False  # whether Grain's iterator came from a saved state
+
+  def get_state(self) -> dict:
+    identity = stream_identity(self.layout, self.seed, self.parallel, self.source)
+    identity["layout"]["start_step"] = self.layout.start_step
+    return dict(identity, next_step=self.next_step, grain=self._iterator.get_state())
+
+  def restore(self, state: dict) -> None:
+    """Positions Grain's iterator at ``state`` (whose layout is this stream's; nothing read yet)."""
+    self._iterator.set_state(state["grain"])
+    self.next_step = int(state["next_step"])
+    self.restored = True
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> Dict[str, np.ndarray]:
+    batch = next(self._iterator)
+    self.next_step += 1
+    return batch
+
+  def close(self) -> None:
+    close = getattr(self._iterator, "close", None)
+    if close is not None:
+      close()
+
+
+def eval_batches(example: Callable[[int], dict], n: int, parallel: Parallelism):
+  """The examples ``0 .. n-1`` in order, in batches of up to 256, read by Grain threads."""
+  dataset = grain.MapDataset.range(n).map(example).batch(_EVAL_CHUNK)
+  return dataset.to_iter_dataset(grain.ReadOptions(
+      num_threads=parallel.num_threads, prefetch_buffer_size=parallel.prefetch))
+
+
+class ImageEvalExample:
+  """``i -> {'image': uint8 (S, S, C), 'label': int32}``: the evaluation resize of record ``i``."""
+
+  def __init__(self, records, spec: AugmentSpec):
+    self.records, self.spec = records, spec
+
+  def __call__(self, i: int) -> Dict[str, np.ndarray]:
+    image, label = self.records[i]
+    return {"image": augment.eval_resize_one(image, self.spec.image_size, self.spec.eval_resize),
+            "label": np.int32(label)}
+
+
+def eval_arrays(records, spec: AugmentSpec, n: int, parallel: Parallelism) -> Dict[str, np.ndarray]:
+  """``{'image': float32 (n, S, S, C) normalised, 'label': int32 (n,)}``: the first n records."""
+  parts = list(eval_batches(ImageEvalExample(records, spec), n, parallel))
+  images = np.concatenate([p["image"] for p in parts])
+  labels = np.concatenate([p["label"] for p in parts]).astype(np.int32)
+  return {"image": augment.normalize_uint8(images, spec.normalize), "label": labels}
