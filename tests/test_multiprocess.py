@@ -2,11 +2,15 @@
 ``jax.distributed.initialize`` (gloo CPU collectives), run the real MAE and SiT trainers with
 per-host input shards and write one orbax checkpoint together; one process with 8 devices then
 restores it and continues. Losses and parameters must equal a single-process 8-device run.
+An MAE run on an image folder of PNG digits (each host reading its shard through Grain workers)
+is also resumed by the two processes themselves, each restoring its own saved input state.
 
 The same file is the worker: ``python tests/test_multiprocess.py --worker PID PORT ROOT``.
 """
 
 import os
+import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,19 +27,41 @@ TIMEOUT_S = 300  # the whole two-process phase; measured ~60 s on 2 idle cores
 LOCAL_DEVICES = 4
 
 
-def configs():
+def digit_folder(root: str) -> str:
+  """``root/digits/{train,test}/<digit>/<i>.png``: 64 + 20 embedded MNIST digits (made once; the
+  test digits are the first two of each class, so both splits have the same class folders)."""
+  from PIL import Image
+  directory = os.path.join(root, "digits")
+  if not os.path.isdir(directory):
+    with np.load(os.path.join(REPO, "decay_jax", "data", "embedded", "mnist_10k.npz")) as d:
+      test = np.concatenate([np.nonzero(d["y_test"] == c)[0][:2] for c in range(10)])
+      arrays = {"train": (d["x_train"][:64], d["y_train"][:64]),
+                "test": (d["x_test"][test], d["y_test"][test])}
+    for split, (images, labels) in arrays.items():
+      for i, (image, label) in enumerate(zip(images, labels)):
+        os.makedirs(os.path.join(directory, split, str(label)), exist_ok=True)
+        Image.fromarray(image[..., 0], "L").save(
+            os.path.join(directory, split, str(label), f"{i:04d}.png"))
+  return directory
+
+
+def configs(root: str):
   """Tiny MAE (data 1 x fsdp 8: sharded parameters span both hosts, so the step, the picture and
-  the checkpoint writes need cross-process collectives) and SiT (data 8, with an EMA)."""
+  the checkpoint writes need cross-process collectives), SiT (data 8, with an EMA) and MAE on an
+  image folder read by two Grain worker processes per host."""
   from test_sit_train import tiny_sit_config
   from test_train import tiny_config
   common = {"num_train_steps": TOTAL, "checkpoint.every_steps": 100,
             "checkpoint.async_save": True}
+  folder = {"data.dataset": "imagefolder:" + digit_folder(root), "data.num_workers": 2,
+            "data.num_threads": 1}
   return {"mae": tiny_config(**common, **{"mesh.data": 1, "mesh.fsdp": 8,
                                           "picture_every_steps": STOP}),
-          "sit": tiny_sit_config(**common, **{"mesh.data": -1})}
+          "sit": tiny_sit_config(**common, **{"mesh.data": -1}),
+          "folder": tiny_config(**common, **folder, **{"mesh.data": -1})}
 
 
-def train(name, workdir, stop=None):
+def train(name, workdir, root, stop=None):
   """The real trainer; with ``stop`` it is 'preempted' after that step (all hosts agree on it)."""
   from decay_jax.evals import registry
   from decay_jax.train import trainer
@@ -43,24 +69,34 @@ def train(name, workdir, stop=None):
   if stop is not None:  # the real multi-host sync point is still asked at every other step
     trainer._Preemption.reached = lambda self, step: step == stop or original(self, step)
   try:
-    return trainer.train_and_evaluate(configs()[name], workdir, evaluators=registry.build)
+    return trainer.train_and_evaluate(configs(root)[name], workdir, evaluators=registry.build)
   finally:
     trainer._Preemption.reached = original
 
 
 def worker(pid: int, port: int, root: str) -> None:
   import jax
+  from absl import logging as absl_logging
+  from jax.experimental import multihost_utils
+  absl_logging.set_verbosity(absl_logging.INFO)  # the trainer's resume line goes to the log
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
                              initialization_timeout=120)
   assert jax.process_count() == 2 and jax.device_count() == 2 * LOCAL_DEVICES
-  for name in ("mae", "sit"):
+  for name in ("mae", "sit", "folder"):
     t0 = time.monotonic()
-    res = train(name, os.path.join(root, "two_process", name), stop=STOP)
+    res = train(name, os.path.join(root, "two_process", name), root, stop=STOP)
     assert res["preempted"] and res["step"] == STOP, res
     print(f"process {pid}: {name} {STOP} steps in {time.monotonic() - t0:.1f} s "
           f"(compile {res['compile_seconds']:.1f} s)", flush=True)
+  # The folder run, copied at STOP, is resumed by both processes (each restores its own stream).
+  if pid == 0:
+    shutil.copytree(os.path.join(root, "two_process", "folder"),
+                    os.path.join(root, "two_process", "folder_at_stop"))
+  multihost_utils.sync_global_devices("copied")
+  res = train("folder", os.path.join(root, "two_process", "folder"), root)
+  assert not res["preempted"] and res["step"] == TOTAL, res
   jax.distributed.shutdown()
 
 
@@ -133,21 +169,28 @@ def runs(tmp_path_factory):
   """Two processes train to STOP and checkpoint; this process (8 devices) resumes that checkpoint
   to TOTAL and runs the same TOTAL steps uninterrupted as the reference."""
   root = str(tmp_path_factory.mktemp("multiprocess"))
+  digit_folder(root)  # before the workers start: both read it
   out = {"seconds": run_two_processes(root)}
-  for name, config in configs().items():
+  for name, config in configs(root).items():
     two, one = (os.path.join(root, k, name) for k in ("two_process", "one_process"))
+    if name == "folder":  # resumed to TOTAL by the two processes already
+      two = os.path.join(root, "two_process", "folder_at_stop")
     at_stop = restore_params(two, config)  # written by two processes, restored onto 8 devices
     losses_at_stop = logged_losses(two)
-    res = train(name, two)
+    res = train(name, two, root)
     assert not res["preempted"] and res["step"] == TOTAL
-    assert train(name, one)["step"] == TOTAL
+    assert train(name, one, root)["step"] == TOTAL
     out[name] = dict(two=two, at_stop=at_stop, losses_at_stop=losses_at_stop,
                      final={k: restore_params(d, config) for k, d in (("two", two), ("one", one))},
                      losses={k: logged_losses(d) for k, d in (("two", two), ("one", one))})
+  folder_two = os.path.join(root, "two_process", "folder")
+  out["folder_two_hosts"] = dict(final=restore_params(folder_two, configs(root)["folder"]),
+                                 losses=logged_losses(folder_two), workdir=folder_two,
+                                 at_stop=os.path.join(root, "two_process", "folder_at_stop"))
   return out
 
 
-@pytest.mark.parametrize("name", ["mae", "sit"])
+@pytest.mark.parametrize("name", ["mae", "sit", "folder"])
 def test_two_processes_train_and_checkpoint_like_one(runs, name):
   r = runs[name]
   two, one = r["losses_at_stop"], r["losses"]["one"]
@@ -160,7 +203,7 @@ def test_two_processes_train_and_checkpoint_like_one(runs, name):
     assert os.path.exists(os.path.join(r["two"], "pictures", f"step_{STOP:07d}.png"))
 
 
-@pytest.mark.parametrize("name", ["mae", "sit"])
+@pytest.mark.parametrize("name", ["mae", "sit", "folder"])
 def test_two_process_checkpoint_continues_in_one_process(runs, name):
   r = runs[name]
   two, one = r["losses"]["two"], r["losses"]["one"]
@@ -180,3 +223,26 @@ def test_two_process_checkpoint_continues_in_one_process(runs, name):
   moved = max(float(np.abs(a - b).max()) for a, b in zip(
       jax.tree_util.tree_leaves(s2["params"]), jax.tree_util.tree_leaves(r["at_stop"][0]["params"])))
   assert moved > 1e-4  # the steps after the resume changed the parameters
+
+
+def test_each_host_saves_and_restores_its_own_input_state(runs):
+  """The folder run's checkpoint holds one Grain state per process (its own shard of the batch,
+  next step STOP); resumed by both processes, each restored it and the run equals one process."""
+  data = os.path.join(runs["folder_two_hosts"]["at_stop"], "checkpoints", str(STOP), "data")
+  for p in range(2):
+    with open(os.path.join(data, f"process_{p}-of-2.json")) as f:
+      state = json.load(f)
+    assert state["next_step"] == STOP and state["num_workers"] == 2
+    assert state["layout"] == {"global_batch": 16, "process_index": p, "process_count": 2,
+                               "start_step": 0}
+    assert isinstance(state["grain"], dict) and state["grain"]
+  r = runs["folder_two_hosts"]
+  one = runs["folder"]["losses"]["one"]
+  assert sorted(r["losses"]) == list(range(1, TOTAL + 1))
+  np.testing.assert_allclose([r["losses"][s] for s in sorted(one)],
+                             [one[s] for s in sorted(one)], rtol=LOSS_RTOL)
+  (s2, _), (s1, _) = r["final"], runs["folder"]["final"]["one"]
+  for k in ("params", "opt_state"):
+    chex.assert_trees_all_close(s2[k], s1[k], atol=PARAM_ATOL, rtol=PARAM_RTOL)
+  log = open(os.path.join(os.path.dirname(os.path.dirname(r["workdir"])), "worker1.log")).read()
+  assert "restored from the checkpoint's Grain state" in log
