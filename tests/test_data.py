@@ -1,10 +1,10 @@
-"""Input pipeline: shipped MNIST, exact resume, sharding, augmentation, TFDS (mocked), errors."""
+"""Input pipeline: shipped MNIST, exact resume, sharding, augmentation, TFDS (ArrayRecord on disk and
+mocked), errors."""
 
 import math
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -256,15 +256,6 @@ def test_normalisation_through_the_pipeline(indexed_npz):
   np.testing.assert_allclose(batches["imagenet"]["image"], (x - mean) / std, atol=1e-5)
 
 
-def test_throughput_mnist_above_2000_per_second():
-  it = pipeline.make_train_iterator(cfg_for(), 256, seed=0)
-  next(it)  # loads the arrays
-  start = time.perf_counter()
-  take(it, 8)
-  rate = 8 * 256 / (time.perf_counter() - start)
-  assert rate > 2000, rate
-
-
 def test_in_memory_sources_do_not_import_tensorflow():
   code = ("import sys; from decay_jax.data import pipeline as p; "
           "next(p.make_train_iterator(p.default_data_config(), 8, seed=0)); "
@@ -279,69 +270,9 @@ def test_in_memory_sources_do_not_import_tensorflow():
 # TFDS sources (mocked: no data is downloaded).
 
 
-def write_tfds_metadata(data_dir, name, split_sizes):
-  """Writes dataset_info.json for `name` with the given split sizes, so mock_data knows them."""
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  builder = tfds.builder(name, data_dir=data_dir)
-  os.makedirs(builder.data_dir, exist_ok=True)
-  template = tfds.core.ShardedFileTemplate(data_dir=builder.data_dir, dataset_name=name,
-                                           filetype_suffix="tfrecord", split="train")
-  splits = [tfds.core.SplitInfo(name=s, shard_lengths=[n], num_bytes=0,
-                                filename_template=template.replace(split=s))
-            for s, n in split_sizes.items()]
-  builder.info.set_splits(tfds.core.SplitDict(splits))
-  builder.info.write_to_directory(builder.data_dir)
-
-
-def indexed_as_dataset(self, split, decoders=None, read_config=None, **kwargs):
-  """Mock `_as_dataset`: the real examples of `split`, each image filled with its index."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  del decoders, read_config, kwargs
-  if isinstance(split, str):
-    split = tfds.core.ReadInstruction.from_spec(split)
-  index = np.concatenate([
-      np.arange(self.info.splits[i.splitname].num_examples)[i.from_:i.to]  # None = open end
-      for i in split.to_absolute(self.info.splits)])
-  images = np.broadcast_to(index.astype(np.uint8)[:, None, None, None], (len(index), 32, 32, 3))
-  return tf.data.Dataset.from_tensor_slices({
-      "image": images, "label": index % 10, "id": index.astype(str)})
-
-
-def test_tfds_per_process_shards(tmp_path):
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  write_tfds_metadata(str(tmp_path), "cifar10", {"train": 50, "test": 20})
-  cfg = cfg_for("cifar10", data_dir=str(tmp_path), image_size=24, normalize="none",
-                eval_resize="resize_crop")
-  with tfds.testing.mock_data(policy=tfds.testing.MockPolicy.USE_FILES, data_dir=str(tmp_path),
-                              as_dataset_fn=indexed_as_dataset):
-    assert pipeline.dataset_info(cfg) == {
-        "num_train": 50, "num_classes": 10, "channels": 3, "image_size": 24}
-    shards = []
-    for p in range(2):
-      batches = take(pipeline.make_train_iterator(cfg, 10, seed=0, process_index=p,
-                                                  process_count=2), 5)
-      images = np.concatenate([b["image"] for b in batches])
-      assert images.shape == (25, 24, 24, 3) and images.dtype == np.float32
-      # A constant image stays constant through crop, bicubic resize and flip.
-      index = np.round(images[:, 0, 0, 0] * 255).astype(int)
-      np.testing.assert_array_equal(images, np.broadcast_to(
-          images[:, :1, :1, :1], images.shape))
-      np.testing.assert_array_equal(np.concatenate([b["label"] for b in batches]), index % 10)
-      shards.append(index)
-    # One pass over each process's shard: 25 distinct examples each, together the whole split.
-    assert [len(set(s)) for s in shards] == [25, 25]
-    assert sorted(np.concatenate(shards)) == list(range(50))
-    ev = pipeline.load_eval_arrays(cfg)
-    assert ev["image"].shape == (20, 24, 24, 3) and ev["label"].dtype == np.int32
-    np.testing.assert_array_equal(ev["label"], np.arange(20) % 10)
-    with pytest.raises(ValueError, match="train_split="):
-      pipeline.make_train_iterator(cfg_for("cifar10", data_dir=str(tmp_path),
-                                           train_split="validation"), 8, seed=0)
-
-
-def store_tfds(monkeypatch, data_dir, name, encoding, images_by_split):
-  """Prepares a real on-disk TFDS dataset (TFRecord shards + metadata) from uint8 NHWC arrays."""
+def store_tfds(monkeypatch, data_dir, name, encoding, images_by_split, file_format="array_record"):
+  """Prepares a real on-disk TFDS dataset (ArrayRecord shards + metadata) from uint8 NHWC arrays;
+  the label of image i of a split is i % 10."""
   import importlib.resources  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
@@ -356,39 +287,97 @@ def store_tfds(monkeypatch, data_dir, name, encoding, images_by_split):
       {"image": images, "label": np.arange(len(images)) % 10})
             for split, images in images_by_split.items()}
   tfds.dataset_builders.store_as_tfds_dataset(name=name, version="1.0.0", features=features,
-                                              split_datasets=splits, data_dir=data_dir)
+                                              split_datasets=splits, data_dir=data_dir,
+                                              file_format=file_format)
 
 
-def test_tfds_prepared_dataset_on_disk(tmp_path, monkeypatch):
-  # Image i is filled with the value i, so the pixels name the example after any crop or flip.
-  constant = lambda first, n: np.broadcast_to(
-      np.arange(first, first + n, dtype=np.uint8)[:, None, None, None], (n, 8, 8, 3)).copy()
-  store_tfds(monkeypatch, str(tmp_path), "tiny_indexed", "png",
-             {"train": constant(0, 50), "test": constant(100, 20)})
+def constant_images(first, n, size=8):
+  """Image i is filled with the value first + i, so the pixels name the example after any crop
+  or flip (and after TFDS shuffles the records when it writes them)."""
+  return np.broadcast_to(np.arange(first, first + n, dtype=np.uint8)[:, None, None, None],
+                         (n, size, size, 3)).copy()
+
+
+@pytest.fixture(scope="module")
+def tfds_dir(tmp_path_factory):
+  """A data_dir with 'tiny_indexed' (50 train + 20 test constant PNG images, ArrayRecord),
+  'tiny_jpeg' (12 random 20 x 30 JPEG images, ArrayRecord) and 'tiny_tfrecord' (TFRecord)."""
+  monkeypatch = pytest.MonkeyPatch()
+  data_dir = str(tmp_path_factory.mktemp("tfds"))
+  store_tfds(monkeypatch, data_dir, "tiny_indexed", "png",
+             {"train": constant_images(0, 50), "test": constant_images(100, 20)})
   rng = np.random.default_rng(0)
-  store_tfds(monkeypatch, str(tmp_path), "tiny_jpeg", "jpeg",
+  store_tfds(monkeypatch, data_dir, "tiny_jpeg", "jpeg",
              {"train": rng.integers(0, 256, (12, 20, 30, 3), dtype=np.uint8)})
-  cfg = cfg_for("tiny_indexed", data_dir=str(tmp_path), image_size=8, normalize="none",
-                shuffle_buffer=8)
-  assert pipeline.dataset_info(cfg)["num_train"] == 50
+  store_tfds(monkeypatch, data_dir, "tiny_tfrecord", "png", {"train": constant_images(0, 4)},
+             file_format="tfrecord")
+  monkeypatch.undo()
+  return data_dir
+
+
+def pixel_index(batch):
+  """The example index each image of a batch was filled with (normalize='none')."""
+  return np.round(batch["image"][:, 0, 0, 0] * 255).astype(int)
+
+
+def test_tfds_array_record_dataset_on_disk(tfds_dir):
+  cfg = cfg_for("tiny_indexed", data_dir=tfds_dir, image_size=8, normalize="none")
+  assert pipeline.dataset_info(cfg) == {
+      "num_train": 50, "num_classes": 10, "channels": 3, "image_size": 8}
   shards = []
   for p in range(2):
     batches = take(pipeline.make_train_iterator(cfg, 10, seed=0, process_index=p,
                                                 process_count=2), 5)
-    shards.append(np.round(np.concatenate([b["image"][:, 0, 0, 0] for b in batches]) * 255))
+    for batch in batches:
+      index = pixel_index(batch)
+      # A constant image stays constant through crop, bicubic resize and flip; labels follow.
+      np.testing.assert_array_equal(batch["image"], np.broadcast_to(
+          batch["image"][:, :1, :1, :1], batch["image"].shape))
+      np.testing.assert_array_equal(batch["label"], index % 10)
+      assert batch["image"].shape == (5, 8, 8, 3) and batch["label"].dtype == np.int32
+    shards.append(np.concatenate([pixel_index(b) for b in batches]))
+  # One epoch over both processes: 25 distinct examples each, together the whole split.
   assert [len(set(s)) for s in shards] == [25, 25]
-  assert sorted(np.concatenate(shards).astype(int)) == list(range(50))
+  assert sorted(np.concatenate(shards)) == list(range(50))
   ev = pipeline.load_eval_arrays(cfg)
   assert sorted(np.round(ev["image"][:, 0, 0, 0] * 255).astype(int)) == list(range(100, 120))
+  np.testing.assert_array_equal(ev["label"], (np.round(ev["image"][:, 0, 0, 0] * 255) - 100) % 10)
   with pytest.raises(ValueError, match="^eval_split="):
-    pipeline.load_eval_arrays(cfg_for("tiny_indexed", data_dir=str(tmp_path),
-                                      eval_split="validation"))
-  # JPEG-encoded images take the decode-and-crop path.
-  jpeg = cfg_for("tiny_jpeg", data_dir=str(tmp_path), image_size=16, normalize="imagenet",
+    pipeline.load_eval_arrays(cfg_for("tiny_indexed", data_dir=tfds_dir, eval_split="validation"))
+  with pytest.raises(ValueError, match="^train_split="):
+    pipeline.make_train_iterator(cfg_for("tiny_indexed", data_dir=tfds_dir,
+                                         train_split="validation"), 8, seed=0)
+  # JPEG-encoded images of another size take the decode-and-crop path.
+  jpeg = cfg_for("tiny_jpeg", data_dir=tfds_dir, image_size=16, normalize="imagenet",
                  eval_split="train")
   batch = next(pipeline.make_train_iterator(jpeg, 4, seed=0))
   assert batch["image"].shape == (4, 16, 16, 3) and np.isfinite(batch["image"]).all()
   assert pipeline.load_eval_arrays(jpeg)["image"].shape == (12, 16, 16, 3)
+
+
+def test_tfds_resumes_exactly_with_any_worker_count(tfds_dir):
+  cfg = cfg_for("tiny_indexed", data_dir=tfds_dir, image_size=8, normalize="none")
+  full = pipeline.make_train_iterator(cfg, 8, seed=4)
+  first = take(full, 3)
+  state = full.get_state()
+  rest = take(full, 6)  # steps 3..8 cross the epoch boundary (50 examples = 6.25 steps)
+  assert_batches_equal(rest, take(pipeline.make_train_iterator(cfg, 8, seed=4, start_step=3), 6))
+  restored = pipeline.make_train_iterator(cfg, 8, seed=4, start_step=3, state=state)
+  assert restored.restored
+  assert_batches_equal(rest, take(restored, 6))
+  workers = cfg_for("tiny_indexed", data_dir=tfds_dir, image_size=8, normalize="none",
+                    num_workers=2, num_threads=1)
+  stream = pipeline.make_train_iterator(workers, 8, seed=4)
+  try:
+    assert_batches_equal(first + rest, take(stream, 9))
+  finally:
+    stream.close()
+
+
+def test_tfds_tfrecord_dataset_says_how_to_rebuild(tfds_dir):
+  with pytest.raises(ValueError, match=r"^dataset='tiny_tfrecord' .*file_format=array_record"):
+    pipeline.make_train_iterator(cfg_for("tiny_tfrecord", data_dir=tfds_dir, image_size=8), 4,
+                                 seed=0)
 
 
 @pytest.mark.parametrize("name,channels", [("mnist", 1), ("imagenet2012", 3)])
@@ -396,7 +385,7 @@ def test_tfds_mock_data_shapes(name, channels):
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   normalize = "imagenet" if channels == 3 else "half"
   cfg = cfg_for(name, image_size=32, normalize=normalize, eval_resize="resize_crop",
-                max_eval_examples=6, shuffle_buffer=16)
+                max_eval_examples=6)
   with tfds.testing.mock_data(num_examples=12):
     info = pipeline.dataset_info(cfg)
     assert info["channels"] == channels and info["image_size"] == 32
@@ -412,13 +401,16 @@ def test_tfds_mock_data_shapes(name, channels):
 
 def test_tfds_full_crop_without_flip_matches_eval_resize():
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  from decay_jax.data import loader  # pylint: disable=g-import-not-at-top
   cfg = cfg_for("cifar10", image_size=32, crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0),
-                flip=False, normalize="none", eval_resize="resize", shuffle_buffer=1)
-  with tfds.testing.mock_data(num_examples=4):
-    batch = next(pipeline.make_train_iterator(cfg, 4, seed=0))
+                flip=False, normalize="none", eval_resize="resize")
+  with tfds.testing.mock_data(num_examples=8):
+    batch = next(pipeline.make_train_iterator(cfg, 8, seed=3))
     ev = pipeline.load_eval_arrays(cfg, "train")
-  # With a 1-element shuffle buffer the order is the file order.
-  np.testing.assert_array_equal(batch["image"], ev["image"])
+  # The full, unflipped crop of the examples in the first epoch's order is the resized original.
+  order = loader.EpochOrder(3, 8, loader.IMAGE_ORDER_STREAM).permutation(0)
+  np.testing.assert_array_equal(batch["image"], ev["image"][order])
+  np.testing.assert_array_equal(batch["label"], ev["label"][order])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -443,6 +435,10 @@ def test_tfds_full_crop_without_flip_matches_eval_resize():
     ("train_split", dict(train_split="validation"), {}),
     ("train_split", dict(train_split="train[a:b]"), {}),
     ("start_step", {}, dict(start_step=-1)),
+    ("num_workers", dict(num_workers=-1), {}),
+    ("num_threads", dict(num_threads=0), {}),
+    ("prefetch", dict(prefetch=0), {}),
+    ("channels", dict(channels=2), {}),
 ])
 def test_bad_train_configs_raise(field, overrides, call_kwargs):
   kwargs = dict(global_batch=8, seed=0)

@@ -132,7 +132,8 @@ class LinearEvaluator:
     return pooled(self, params, arrays["image"], self.choices, self.layers)[:, 0]
 
   def _augmented_batches(self, params):
-    """``(batches(epoch), steps_per_epoch)`` recomputing features from augmented images."""
+    """``(batches(epoch), steps_per_epoch, stream)`` recomputing features from augmented images
+    (the caller closes ``stream``)."""
     m = self.cfg.mae
     aug = self.data_cfg.copy_and_resolve_references()
     with aug.unlocked():
@@ -155,7 +156,7 @@ class LinearEvaluator:
         b = shd.global_batch_from_local(next(stream), self.mesh)
         yield feats(params, b["image"])[:, 0], b["label"]
 
-    return batches, steps
+    return batches, steps, stream
 
   def evaluate(self, params) -> Dict[str, dict]:
     train_x, test_x = self._features(params, self.train), self._features(params, self.test)
@@ -175,8 +176,9 @@ class LinearEvaluator:
       out[protocol] = {"settings": o.to_dict(), "results": by_choice(res)}
     if "mae" in self.protocols:
       m = self.cfg.mae
+      stream = None
       if m.augment:
-        batches, steps = self._augmented_batches(params)
+        batches, steps, stream = self._augmented_batches(params)
       else:
         batches = linear_probe.epoch_batches(train_x, self.train["label"], m.batch_size,
                                              self.cfg.seed)
@@ -188,6 +190,8 @@ class LinearEvaluator:
           epochs=m.epochs, warmup_epochs=m.warmup_epochs, blr=m.blr, batch_size=m.batch_size,
           momentum=m.momentum, trust_coefficient=m.trust_coefficient,
           weight_decay=m.weight_decay, seed=self.cfg.seed, on_epoch=log)
+      if stream is not None:
+        stream.close()  # its Grain workers, if any
       settings = dict(m.to_dict(), lr=res["lr"], steps_per_epoch=steps)
       settings["crop_scale"] = list(settings["crop_scale"])
       out["mae"] = {"settings": settings, "results": by_choice(res)}
