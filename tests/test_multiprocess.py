@@ -28,21 +28,9 @@ LOCAL_DEVICES = 4
 
 
 def digit_folder(root: str) -> str:
-  """``root/digits/{train,test}/<digit>/<i>.png``: 64 + 20 embedded MNIST digits (made once; the
-  test digits are the first two of each class, so both splits have the same class folders)."""
-  from PIL import Image
-  directory = os.path.join(root, "digits")
-  if not os.path.isdir(directory):
-    with np.load(os.path.join(REPO, "decay_jax", "data", "embedded", "mnist_10k.npz")) as d:
-      test = np.concatenate([np.nonzero(d["y_test"] == c)[0][:2] for c in range(10)])
-      arrays = {"train": (d["x_train"][:64], d["y_train"][:64]),
-                "test": (d["x_test"][test], d["y_test"][test])}
-    for split, (images, labels) in arrays.items():
-      for i, (image, label) in enumerate(zip(images, labels)):
-        os.makedirs(os.path.join(directory, split, str(label)), exist_ok=True)
-        Image.fromarray(image[..., 0], "L").save(
-            os.path.join(directory, split, str(label), f"{i:04d}.png"))
-  return directory
+  """``root/digits``: 64 + 20 PNG digits (``testing_configs.write_digit_folder``)."""
+  from testing_configs import write_digit_folder
+  return write_digit_folder(os.path.join(root, "digits"))
 
 
 def configs(root: str):

@@ -20,6 +20,7 @@ from absl import app, flags
 from ml_collections.config_flags import config_flags
 
 from decay_jax import logs
+from decay_jax.data.loader import InputError
 from decay_jax.train.checkpoint import CheckpointError
 
 FLAGS = flags.FLAGS
@@ -100,13 +101,14 @@ def parse_flags(argv: List[str]) -> List[str]:
 
 
 def run(main: Callable[[List[str]], int]) -> None:
-  """``absl.app.run(main)`` with the one-line flag errors of ``parse_flags``, and a checkpoint that
-  cannot be read printed as one line with exit status 2."""
+  """``absl.app.run(main)`` with the one-line flag errors of ``parse_flags``, and a checkpoint or an
+  input file that cannot be read (or an input worker that died) printed as one line with exit
+  status 2."""
 
   def guarded(argv):
     try:
       status = main(argv)
-    except CheckpointError as e:
+    except (CheckpointError, InputError) as e:
       print(f"error: {one_line(e)}", file=sys.stderr)
       status = 2
     if status == 2:

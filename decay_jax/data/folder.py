@@ -81,6 +81,9 @@ def decode(path: str, channels: int) -> np.ndarray:
     with paths.resolve(path).open("rb") as f, Image.open(f) as image:
       image = image.convert("L" if channels == 1 else "RGB")
       pixels = np.asarray(image)
+  except Image.UnidentifiedImageError:
+    raise ValueError(f"image {path!r} cannot be read (not an image file Pillow can decode)"
+                     ) from None
   except Exception as e:  # pylint: disable=broad-except  (PIL raises many unrelated types)
     raise ValueError(f"image {path!r} cannot be read ({type(e).__name__}: "
                      f"{' '.join(str(e).split())[:120]})") from None

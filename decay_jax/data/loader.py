@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import grain
@@ -130,6 +131,37 @@ class Parallelism:
     return cls(int(cfg.num_workers), int(cfg.num_threads), int(cfg.prefetch))
 
 
+class InputError(ValueError):
+  """Reading or preparing the input failed (an unreadable record, a worker that died); the message
+  is one line naming the dataset and, where one is to blame, the file."""
+
+
+def one_line(e: BaseException) -> str:
+  """An exception as one short line: our own ValueErrors as they are, others with their type."""
+  text = " ".join(str(e).split())
+  if len(text) > 300:
+    text = text[:297] + "..."
+  if isinstance(e, ValueError) and text:
+    return text
+  return f"the input pipeline failed ({type(e).__name__}: {text})" if text else type(e).__name__
+
+
+def _start_quiet_resource_tracker() -> None:
+  """Starts multiprocessing's resource tracker (if not running yet) without its exit-time
+  "leaked shared_memory objects" warning: batches still buffered in shared memory when a stream
+  is closed are unlinked by the tracker itself, which is all that warning reports."""
+  from multiprocessing import resource_tracker  # pylint: disable=g-import-not-at-top
+  previous = os.environ.get("PYTHONWARNINGS")
+  os.environ["PYTHONWARNINGS"] = "ignore::UserWarning:multiprocessing.resource_tracker"
+  try:
+    resource_tracker.ensure_running()
+  finally:
+    if previous is None:
+      del os.environ["PYTHONWARNINGS"]
+    else:
+      os.environ["PYTHONWARNINGS"] = previous
+
+
 def stream_identity(layout: Layout, seed: int, parallel: Parallelism, source: str) -> dict:
   """What a saved stream state must agree on to be restored (all but the start step)."""
   return {"layout": dict(dataclasses.asdict(layout), start_step=None), "seed": seed,
@@ -176,6 +208,7 @@ class TrainStream:
       # Grain's workers read absl flags; a library caller (a test, a notebook) has parsed none.
       if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
+      _start_quiet_resource_tracker()
       stream = stream.mp_prefetch(grain.MultiprocessingOptions(
           num_workers=parallel.num_workers, per_worker_buffer_size=parallel.prefetch))
     if finish is not None:
@@ -199,7 +232,11 @@ class TrainStream:
     return self
 
   def __next__(self) -> Dict[str, np.ndarray]:
-    batch = next(self._iterator)
+    try:
+      batch = next(self._iterator)
+    except Exception as e:  # pylint: disable=broad-except  (a record, a thread or a worker failed)
+      raise InputError(f"dataset={self.source.rsplit(':', 1)[0]!r}, step {self.next_step}: "
+                       f"{one_line(e)}") from None
     self.next_step += 1
     return batch
 
@@ -230,7 +267,10 @@ class ImageEvalExample:
 
 def eval_arrays(records, spec: AugmentSpec, n: int, parallel: Parallelism) -> Dict[str, np.ndarray]:
   """``{'image': float32 (n, S, S, C) normalised, 'label': int32 (n,)}``: the first n records."""
-  parts = list(eval_batches(ImageEvalExample(records, spec), n, parallel))
+  try:
+    parts = list(eval_batches(ImageEvalExample(records, spec), n, parallel))
+  except Exception as e:  # pylint: disable=broad-except
+    raise InputError(one_line(e)) from None
   images = np.concatenate([p["image"] for p in parts])
   labels = np.concatenate([p["label"] for p in parts]).astype(np.int32)
   return {"image": augment.normalize_uint8(images, spec.normalize), "label": labels}
