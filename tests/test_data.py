@@ -267,7 +267,8 @@ def test_in_memory_sources_do_not_import_tensorflow():
 
 
 # ------------------------------------------------------------------------------------------------
-# TFDS sources (mocked: no data is downloaded).
+# TFDS sources: real ArrayRecord datasets prepared on disk, and tfds.testing.mock_data (nothing
+# is downloaded).
 
 
 def store_tfds(monkeypatch, data_dir, name, encoding, images_by_split, file_format="array_record"):
@@ -409,6 +410,9 @@ def test_tfds_full_crop_without_flip_matches_eval_resize():
     ev = pipeline.load_eval_arrays(cfg, "train")
   # The full, unflipped crop of the examples in the first epoch's order is the resized original.
   order = loader.EpochOrder(3, 8, loader.IMAGE_ORDER_STREAM).permutation(0)
+  # Not vacuous: the mock images are distinct and the permutation moves them.
+  assert len(np.unique(ev["image"].reshape(8, -1), axis=0)) == 8
+  assert not np.array_equal(order, np.arange(8))
   np.testing.assert_array_equal(batch["image"], ev["image"][order])
   np.testing.assert_array_equal(batch["label"], ev["label"][order])
 
