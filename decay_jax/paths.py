@@ -126,7 +126,8 @@ def list_files(directory: PathLike, suffixes: tuple = ()) -> list:
   suffixes = tuple(s.lower() for s in suffixes)
   keep = lambda name: not suffixes or name.lower().endswith(suffixes)
   if not is_uri(root):
-    return sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files if keep(f))
+    return sorted(os.path.join(d, f) for d, _, files in os.walk(root, followlinks=True)
+                  for f in files if keep(f))
   out, todo = [], [root]
   while todo:
     for child in todo.pop().iterdir():

@@ -10,7 +10,6 @@ greyscale (``data.channels``; by default greyscale only when the first training 
 from __future__ import annotations
 
 import functools
-import os
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -46,15 +45,6 @@ def split_names(root: str, dataset: str) -> List[str]:
   return names
 
 
-def _images_below(directory: str) -> List[str]:
-  if paths.is_uri(directory):
-    found = [str(p) for p in paths.resolve(directory).rglob("*") if not p.is_dir()]
-  else:
-    found = [os.path.join(d, f) for d, _, files in os.walk(directory, followlinks=True)
-             for f in files]
-  return sorted(f for f in found if f.lower().endswith(IMAGE_EXTENSIONS))
-
-
 @functools.lru_cache(maxsize=8)
 def listing(root: str, split: str) -> Tuple[Tuple[str, ...], Tuple[str, ...], np.ndarray]:
   """``(class_names, files, labels int32)`` of one split folder (cached per process)."""
@@ -65,7 +55,7 @@ def listing(root: str, split: str) -> Tuple[Tuple[str, ...], Tuple[str, ...], np
                      f"{directory!r} has no class folders (expected {directory}/<class>/<image>)")
   files, labels = [], []
   for label, name in enumerate(classes):
-    found = _images_below(paths.join(directory, name))
+    found = paths.list_files(paths.join(directory, name), IMAGE_EXTENSIONS)
     if not found:
       raise ValueError(f"dataset='{config.IMAGEFOLDER_PREFIX}{root}' is not allowed; the class "
                        f"folder {paths.join(directory, name)!r} has no images "

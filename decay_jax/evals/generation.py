@@ -34,8 +34,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from decay_jax import paths
+from decay_jax.data.folder import IMAGE_EXTENSIONS
 
-IMAGE_EXTENSIONS = (".bmp", ".jpg", ".jpeg", ".pgm", ".png", ".ppm", ".tif", ".tiff", ".webp")
 
 
 # ------------------------------------------------------------------------------------------------
