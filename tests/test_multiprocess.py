@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 STOP = 3  # both runs stop (simulated preemption) and checkpoint after this step ...
 TOTAL = 6  # ... and are resumed in one process up to this one
-TIMEOUT_S = 300  # the whole two-process phase; measured ~60 s on 2 idle cores
+TIMEOUT_S = 600  # the whole two-process phase; measured ~60 s on 2 idle cores before the folder run
 LOCAL_DEVICES = 4
 
 

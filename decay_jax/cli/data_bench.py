@@ -2,49 +2,51 @@
 
     python -m decay_jax.cli.data_bench --make_folder=/tmp/jpeg224 --images=2000 --size=224
     python -m decay_jax.cli.data_bench --config=configs/mae_vit_b16.py \\
-        --config.data.dataset=imagefolder:/tmp/jpeg224 --config.data.eval_split=val --batch_size=64 \\
+        --config.data.dataset=imagefolder:/tmp/jpeg224 --batch_size=64 \\
         --config.data.num_workers=2 --chips=64 --global_batch=4096 --hosts=16
 
-Times the config's training stream alone (``decay_jax.data.pipeline.make_train_iterator``, this
-process's share of the batch; no model, no accelerator): ``--warmup`` batches are discarded (the
-workers start), then ``--repeats`` windows of ``--steps`` batches each are timed. Prints images/s
-(min and median over the windows), the CPU seconds the pipeline used (this process and its Grain
-workers, from /proc) and images per CPU-second, i.e. what one host core delivers.
+Times the config's training stream alone (``decay_jax.data.pipeline.make_train_iterator`` with
+``config.seed``, this process's share of ``--batch_size``; no model, no accelerator): ``--warmup``
+batches are dropped (the workers start), then ``--repeats`` windows of ``--steps`` batches are
+timed (``decay_jax.data.bench``). Prints images/s (median and min over the windows), images/s per
+core used (``max(num_workers, 1)``), the CPU seconds of the windows (this process and its Grain
+workers) and images per CPU-second, i.e. what one host core delivers, and the CPU seconds of the
+whole run as ``getrusage`` counts them (self + exited children).
 
-The model's need: ``--target_step_time`` seconds per step, or a step time derived from the
-config's model FLOPs per image (``model.flops``, 2 x multiply-adds), ``--global_batch`` over
-``--chips`` chips of ``--peak_tflops`` at ``--mfu``; the images/s each of ``--hosts`` hosts must
-deliver then, and the cores that takes at the measured images per CPU-second.
+The model's need: ``--global_batch`` images (0: the config's ``batch_size``) every
+``--target_step_time`` seconds, or every ``F x global_batch / (chips x peak x MFU)`` seconds with
+``F`` the config's model train FLOPs per image (``model.flops``, as the trainer's MFU counts them)
+and ``--chips``, ``--peak_tflops``, ``--mfu`` assumptions that the output repeats; the images/s
+each of ``--hosts`` hosts must deliver, and the host cores that takes at the measured images per
+CPU-second.
 
 ``--make_folder=DIR`` writes a synthetic JPEG image folder (``DIR/train/<class>/<i>.jpg`` and
-``DIR/val/...``; smooth gradients with noise, quality 90, so decoding costs what photographs cost)
-to measure on.
+``DIR/val/...``, quality 90, natural-looking content; ``decay_jax.data.bench.make_folder``) to
+measure on.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
-import time
 
-import numpy as np
 from absl import flags
 from ml_collections import config_flags
-from PIL import Image
 
 from decay_jax import logs
 from decay_jax.cli import errors
+from decay_jax.data import bench
+from decay_jax.data import config as data_config
 from decay_jax.data import pipeline
 from decay_jax.models import factory
 from decay_jax.train import config as config_lib
-from decay_jax.train import trainer
+from decay_jax.train import tasks
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _BATCH = flags.DEFINE_integer("batch_size", 0, "Batch to time (0: the config's batch_size).")
 _STEPS = flags.DEFINE_integer("steps", 10, "Batches per timed window.")
-_WARMUP = flags.DEFINE_integer("warmup", 2, "Batches read before timing.")
+_WARMUP = flags.DEFINE_integer("warmup", 2, "Batches read and dropped before timing.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed windows.")
 _TARGET = flags.DEFINE_float("target_step_time", 0.0,
                              "Accelerator seconds per step (0: derived from model FLOPs).")
@@ -62,168 +64,129 @@ _CLASSES = flags.DEFINE_integer("classes", 10, "--make_folder: class folders.")
 _OUT = flags.DEFINE_string("out", None, "Append the result as one JSON line to this file.")
 
 
-# ------------------------------------------------------------------------------------------------
-# A synthetic JPEG folder.
-
-
-def synthetic_image(rng: np.random.Generator, size: int) -> np.ndarray:
-  """uint8 (size, size, 3): a smooth colour gradient with a few discs and mild noise."""
-  yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
-  a, b, c = rng.uniform(0, 1, (3, 3))
-  image = 255 * np.clip(a[None, None] * xx[..., None] + b[None, None] * yy[..., None]
-                        + 0.3 * c[None, None], 0, 1)
-  for _ in range(4):
-    cy, cx, r = rng.uniform(0, 1), rng.uniform(0, 1), rng.uniform(0.05, 0.25)
-    disc = (yy - cy) ** 2 + (xx - cx) ** 2 < r * r
-    image[disc] = rng.uniform(0, 255, 3)
-  image += rng.normal(0, 8, image.shape)
-  return np.clip(image, 0, 255).astype(np.uint8)
-
-
-def make_folder(directory: str, images: int, size: int, classes: int) -> None:
-  """``directory/{train,val}/class_<k>/<i>.jpg`` (JPEG quality 90), ``images`` for train."""
-  rng = np.random.default_rng(0)
-  t0 = time.perf_counter()
-  for split, count in (("train", images), ("val", max(classes, images // 10))):
-    for i in range(count):
-      folder = os.path.join(directory, split, f"class_{i % classes:03d}")
-      os.makedirs(folder, exist_ok=True)
-      Image.fromarray(synthetic_image(rng, size)).save(os.path.join(folder, f"{i:07d}.jpg"),
-                                                       quality=90)
-      if (i + 1) % 500 == 0:
-        print(f"{split}: {i + 1}/{count} images ({time.perf_counter() - t0:.0f} s)",
-              file=sys.stderr, flush=True)
-  print(f"wrote {images} + {max(classes, images // 10)} JPEG images of {size} px to {directory}")
-
-
-# ------------------------------------------------------------------------------------------------
-# CPU time of this process and its children.
-
-
-def _children(pid: int):
-  out = []
-  try:
-    for tid in os.listdir(f"/proc/{pid}/task"):
-      with open(f"/proc/{pid}/task/{tid}/children") as f:
-        out += [int(c) for c in f.read().split()]
-  except OSError:
-    pass
-  return out
-
-
-def _ticks(pid: int) -> int:
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime + stime
-  except OSError:
-    return 0
-
-
-def cpu_seconds() -> float:
-  """CPU seconds of this process and every live descendant (Linux /proc; NaN elsewhere)."""
-  if not os.path.isdir("/proc/self/task"):
-    return float("nan")
-  todo, total = [os.getpid()], 0
-  while todo:
-    pid = todo.pop()
-    total += _ticks(pid)
-    todo += _children(pid)
-  return total / os.sysconf("SC_CLK_TCK")
-
-
-# ------------------------------------------------------------------------------------------------
-# The benchmark.
-
-
-def time_stream(config, batch: int, steps: int, warmup: int, repeats: int) -> dict:
-  """Images/s and images per CPU-second of the config's training stream."""
-  stream = pipeline.make_train_iterator(config.data, batch, config.seed)
-  try:
-    for _ in range(warmup):
-      next(stream)
-    rates, cpu_total = [], 0.0
-    for r in range(repeats):
-      cpu0, t0 = cpu_seconds(), time.perf_counter()
-      for _ in range(steps):
-        next(stream)
-      wall, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
-      rates.append(steps * batch / wall)
-      cpu_total += cpu
-      print(f"window {r + 1}/{repeats}: {rates[-1]:.1f} images/s, {cpu / wall:.2f} cores busy",
-            file=sys.stderr, flush=True)
-  finally:
-    stream.close()
-  # Over all windows together: /proc counts CPU time in clock ticks (10 ms).
-  per_cpu = repeats * steps * batch / cpu_total if cpu_total > 0 else float("nan")
-  return {"images_per_sec_min": min(rates), "images_per_sec_median": statistics.median(rates),
-          "images_per_cpu_sec": per_cpu,
-          "windows_images_per_sec": [round(x, 1) for x in rates]}
-
-
-def model_need(config, info, per_cpu: float) -> dict:
-  """The images/s the target run needs per host, and the host cores that takes."""
-  global_batch = _GLOBAL_BATCH.value or config.batch_size
+def train_flops_per_image(config, batch_shape) -> float:
+  """The config's model train FLOPs per example at the stream's image size and channels (the
+  trainer's task, built without the trainer: its metric writers import TensorFlow, which every
+  Grain worker would then import too, as it re-imports this module)."""
+  info = {"image_size": int(batch_shape[-2]), "channels": int(batch_shape[-1])}
   model = factory.build_model(config, info)
-  flops_per_image = trainer.make_task(config, model, info).train_flops_per_example()
-  if _TARGET.value > 0:
-    step_time, source = _TARGET.value, "given"
+  mean, std = pipeline.normalization(config.data, info["channels"])
+  if config.task == "mae":
+    task = tasks.MAETask(model, mean=mean, std=std)
   else:
-    step_time = flops_per_image * global_batch / (_CHIPS.value * _PEAK.value * 1e12 * _MFU.value)
-    source = (f"derived: {flops_per_image / 1e9:.1f} GFLOP/image x {global_batch} over "
-              f"{_CHIPS.value} chips x {_PEAK.value:g} TFLOP/s x MFU {_MFU.value:g}")
-  per_host = global_batch / step_time / _HOSTS.value
-  return {"global_batch": global_batch, "step_time_s": step_time, "step_time_source": source,
-          "model_gflops_per_image": flops_per_image / 1e9, "hosts": _HOSTS.value,
-          "chips": _CHIPS.value, "needed_images_per_sec_per_host": per_host,
-          "host_cores_needed": per_host / per_cpu if per_cpu > 0 else float("nan")}
+    task = tasks.SiTTask(model, config.transport.to_dict(), config.sample, mean=mean, std=std)
+  return float(task.train_flops_per_example())
+
+
+def _bad_flag() -> str:
+  """The first bad flag value as a message ('' when all are good)."""
+  if _MAKE.value:
+    checks = (("images", _IMAGES.value, 1), ("size", _SIZE.value, 8),
+              ("classes", _CLASSES.value, 1))
+  else:
+    checks = (("steps", _STEPS.value, 1), ("repeats", _REPEATS.value, 1),
+              ("warmup", _WARMUP.value, 0), ("batch_size", _BATCH.value, 0),
+              ("global_batch", _GLOBAL_BATCH.value, 0), ("chips", _CHIPS.value, 1),
+              ("hosts", _HOSTS.value, 1))
+  for name, value, low in checks:
+    if value < low:
+      return f"--{name}={value} is not allowed; it must be >= {low}"
+  if _MAKE.value:
+    return "" if _CLASSES.value <= _IMAGES.value else (
+        f"--classes={_CLASSES.value} is not allowed; it must be at most --images="
+        f"{_IMAGES.value} (every class folder needs an image)")
+  for name, value, good, want in (
+      ("target_step_time", _TARGET.value, _TARGET.value >= 0, ">= 0 (0: derived)"),
+      ("peak_tflops", _PEAK.value, _PEAK.value > 0, "> 0"),
+      ("mfu", _MFU.value, 0 < _MFU.value <= 1, "in (0, 1]")):
+    if not good or value != value or value == float("inf"):
+      return f"--{name}={value:g} is not allowed; it must be {want}"
+  return ""
+
+
+def _make_folder() -> int:
+  directory = os.path.abspath(_MAKE.value)
+  for split in ("train", "val"):
+    path = os.path.join(directory, split)
+    if os.path.isdir(path) and os.listdir(path):
+      print(f"error: --make_folder={_MAKE.value} is not allowed; {path!r} already has files "
+            "(choose a new or empty directory)", file=sys.stderr)
+      return 2
+  try:
+    made = bench.make_folder(directory, _IMAGES.value, _SIZE.value, _CLASSES.value)
+  except OSError as e:
+    print(f"error: --make_folder={_MAKE.value} cannot be written ({type(e).__name__}: "
+          f"{e.strerror or e})", file=sys.stderr)
+    return 2
+  print(f"wrote {made['train']} train + {made['val']} val JPEG images of {_SIZE.value} x "
+        f"{_SIZE.value} px (quality {bench.JPEG_QUALITY}, {made['mean_bytes'] / 1e3:.1f} kB on "
+        f"average, {_CLASSES.value} classes) to {directory}")
+  return 0
 
 
 def main(argv):
   del argv
   logs.quiet_libraries()
+  bad = _bad_flag()
+  if bad:
+    print(f"error: {bad}", file=sys.stderr)
+    return 2
   if _MAKE.value:
-    for name, value in (("images", _IMAGES.value), ("size", _SIZE.value),
-                        ("classes", _CLASSES.value)):
-      if value < 1:
-        print(f"error: --{name}={value} is not allowed; it must be >= 1", file=sys.stderr)
-        return 2
-    make_folder(_MAKE.value, _IMAGES.value, _SIZE.value, _CLASSES.value)
-    return 0
+    return _make_folder()
   config = _CONFIG.value
   if config is None:
     print("error: --config is required (or --make_folder=DIR)", file=sys.stderr)
     return 2
-  for name, value in (("steps", _STEPS.value), ("repeats", _REPEATS.value),
-                      ("chips", _CHIPS.value), ("hosts", _HOSTS.value)):
-    if value < 1:
-      print(f"error: --{name}={value} is not allowed; it must be >= 1", file=sys.stderr)
-      return 2
   batch = _BATCH.value or config.batch_size
-  try:
+  data = config.data
+  try:  # a bad config, folder or split, or an image that cannot be read: one line
     config_lib.validate(config)
-    info = pipeline.dataset_info(config.data)
-    pipeline.make_train_iterator(config.data, batch, config.seed).close()  # splits, channels
+    data_config.check_fields(data)
+    res = {"dataset": data.dataset, "batch": batch, "image_size": data.image_size,
+           "num_workers": data.num_workers, "num_threads": data.num_threads,
+           "prefetch": data.prefetch, "host_cpus": os.cpu_count()}
+    res.update(bench.time_stream(data, batch, config.seed, _STEPS.value, _WARMUP.value,
+                                 _REPEATS.value))
+    flops_per_image = train_flops_per_image(config, res["batch_shape"])
   except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
+    print(f"error: {errors.one_line(e)}", file=sys.stderr)
     return 2
-  res = {"dataset": config.data.dataset, "batch": batch, "image_size": config.data.image_size,
-         "num_workers": config.data.num_workers, "num_threads": config.data.num_threads,
-         "host_cpus": os.cpu_count()}
-  res.update(time_stream(config, batch, _STEPS.value, _WARMUP.value, _REPEATS.value))
-  res.update(model_need(config, info, res["images_per_cpu_sec"]))
-  print(f"input pipeline: {res['images_per_sec_median']:.1f} images/s median "
-        f"(min {res['images_per_sec_min']:.1f}) over {_REPEATS.value} x {_STEPS.value} batches of "
-        f"{batch}, {res['images_per_cpu_sec']:.1f} images per CPU-second "
-        f"({config.data.num_workers} workers, {config.data.num_threads} threads)")
-  print(f"model need: {res['needed_images_per_sec_per_host']:.1f} images/s per host "
-        f"({res['global_batch']} images every {res['step_time_s']:.3f} s over {res['hosts']} "
-        f"hosts; step time {res['step_time_source']}): "
-        f"{res['host_cores_needed']:.1f} host cores per host")
+  global_batch = _GLOBAL_BATCH.value or config.batch_size
+  seconds, source = bench.step_time(_TARGET.value, flops_per_image, global_batch, _CHIPS.value,
+                                    _PEAK.value, _MFU.value)
+  res.update(global_batch=global_batch, step_time_s=seconds, step_time_source=source,
+             model_gflops_per_image=flops_per_image / 1e9, chips=_CHIPS.value, hosts=_HOSTS.value)
+  res.update(bench.model_need(global_batch, seconds, _HOSTS.value, res["images_per_cpu_sec"]))
+  _report(res)
   if _OUT.value:
     with open(_OUT.value, "a", encoding="utf-8") as f:
       f.write(json.dumps(res) + "\n")
   return 0
+
+
+def _number(x: float) -> str:
+  """One decimal from 10 on, else three significant digits."""
+  return f"{x:.1f}" if abs(x) >= 10 else f"{x:.3g}"
+
+
+def _report(r: dict) -> None:
+  cpu = r["timed_cpu_self_s"] + r["timed_cpu_workers_s"]
+  print(f"input pipeline: {r['images_per_sec_median']:.1f} images/s median "
+        f"(min {r['images_per_sec_min']:.1f}) over {len(r['windows_images_per_sec'])} x "
+        f"{_STEPS.value} batches of {r['batch']}, {r['images_per_cpu_sec']:.1f} images per "
+        f"CPU-second ({r['num_workers']} workers, {r['num_threads']} threads)")
+  print(f"per core used: {r['images_per_sec_per_core_used']:.1f} images/s "
+        f"({r['cores_used']} = max(workers, 1) cores; {r['host_cpus']} CPUs on this host)")
+  print(f"CPU seconds: {cpu:.3g} in {r['timed_wall_s']:.3g} s timed (this process "
+        f"{r['timed_cpu_self_s']:.3g}, workers {r['timed_cpu_workers_s']:.3g}); whole run "
+        f"{r['run_cpu_self_s'] + r['run_cpu_children_s']:.3g} in {r['run_wall_s']:.3g} s "
+        f"(getrusage: self {r['run_cpu_self_s']:.3g}, exited children "
+        f"{r['run_cpu_children_s']:.3g})")
+  print(f"model need: {r['needed_images_per_sec_per_host']:.1f} images/s per host "
+        f"({r['global_batch']} images every {r['step_time_s']:.4g} s over {r['hosts']} "
+        f"hosts; step time {r['step_time_source']}): "
+        f"{_number(r['host_cores_needed'])} host cores per host, "
+        f"{_number(r['host_cores_needed_all'])} in all")
 
 
 def run():
