@@ -103,11 +103,13 @@ def _from_checkpoint_io(tb) -> bool:
 
 
 class _OrphanReadTasks(logging.Filter):
-  """Drops asyncio's "Task exception was never retrieved" for tasks of orbax/tensorstore reads
-  (the siblings of a read that failed first; their own failure is the same one)."""
+  """Drops asyncio's "Task exception was never retrieved" (and its "Future ..." twin) for tasks
+  and futures of orbax/tensorstore reads (the siblings of a read that failed first; their own
+  failure is the same one)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    if not str(record.msg).startswith("Task exception was never retrieved"):
+    if not str(record.msg).startswith(("Task exception was never retrieved",
+                                       "Future exception was never retrieved")):
       return True
     exc = record.exc_info[1] if record.exc_info else None
     return not (exc is not None and _from_checkpoint_io(exc.__traceback__))

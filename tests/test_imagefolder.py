@@ -1,7 +1,11 @@
 """Image folders (``dataset='imagefolder:DIR'``) end to end: the records, the Grain stream against
-the npz stream of the same pixels, exact resume, any image size, one-line errors, a real training
-command killed with SIGKILL and rerun, a crash on an unreadable image that keeps the checkpoints,
-and device-count invariance."""
+the npz stream of the same pixels, exact resume, any image size, one-line errors (an unreadable
+image, a worker that died, an exception a worker cannot send back), workers that end with their
+training process, a real training command killed with SIGKILL and rerun, a crash on an unreadable
+image that keeps the checkpoints, and device-count invariance.
+
+The training commands of this module share one JAX compilation cache (the first run compiles, the
+others load the same executables), so that five real runs fit in a CI minute or two."""
 
 import os
 import shutil
@@ -22,6 +26,7 @@ from decay_jax.evals import registry
 from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import trainer
 from test_train import restore_params, tiny_config
+from testing_configs import FailingExample, session_processes, wait_for_no_processes
 from testing_configs import write_digit_folder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,7 +76,9 @@ def digits(tmp_path_factory):
   directory = write_digit_folder(str(root / "digits"))
   (x_train, y_train), (x_test, y_test) = (folder_arrays(directory, s) for s in ("train", "test"))
   np.savez(root / "same.npz", x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
-  return {"dir": directory, "npz": str(root / "same.npz"), "root": str(root)}
+  _CACHE["dir"] = str(root / "jax_cache")
+  yield {"dir": directory, "npz": str(root / "same.npz"), "root": str(root)}
+  _CACHE.clear()
 
 
 def test_info_labels_and_channels(digits):
@@ -100,7 +107,12 @@ def test_stream_equals_the_npz_stream_of_the_same_pixels(digits):
     from_folder = take(stream, 6)  # 96 examples: crosses into the second epoch
   finally:
     stream.close()
-  assert_batches_equal(from_folder, take(pipeline.make_train_iterator(arrays, 16, seed=7), 6))
+  from_npz = take(pipeline.make_train_iterator(arrays, 16, seed=7), 6)
+  assert_batches_equal(from_folder, from_npz)
+  assert not (from_npz[0]["image"] == from_npz[1]["image"]).all()  # not all blank
+  # No worker processes, two threads: the same batches.
+  in_process = cfg_for("imagefolder:" + digits["dir"], image_size=16, num_workers=0, num_threads=2)
+  assert_batches_equal(from_folder, take(pipeline.make_train_iterator(in_process, 16, seed=7), 6))
   for split in ("train", "test"):
     a, b = pipeline.load_eval_arrays(folder, split), pipeline.load_eval_arrays(arrays, split)
     np.testing.assert_array_equal(a["image"], b["image"])
@@ -213,6 +225,111 @@ def test_unreadable_image_in_a_worker_gives_one_line(tmp_path):
     pipeline.load_eval_arrays(cfg)
 
 
+def test_a_worker_that_dies_gives_one_line(digits):
+  import multiprocessing  # pylint: disable=g-import-not-at-top
+  cfg = cfg_for("imagefolder:" + digits["dir"], image_size=16, num_workers=2, num_threads=1)
+  before = {p.pid for p in multiprocessing.active_children()}
+  stream = pipeline.make_train_iterator(cfg, 16, seed=0)
+  try:
+    next(stream)
+    workers = [p for p in multiprocessing.active_children() if p.pid not in before]
+    assert len(workers) == 2, workers
+    os.kill(workers[0].pid, signal.SIGKILL)
+    with pytest.raises(loader.InputError) as e:
+      for _ in range(50):  # the batches already prepared by the other worker come first
+        next(stream)
+    # The stream closed itself: the other worker is gone, and asking again gives the same line.
+    assert not [p for p in multiprocessing.active_children() if p.pid not in before]
+    with pytest.raises(loader.InputError) as again:
+      next(stream)
+    assert str(again.value) == str(e.value)
+  finally:
+    stream.close()
+  message = str(e.value)
+  assert "\n" not in message and message.startswith(
+      f"dataset='imagefolder:{digits['dir']}', step "), message
+  assert message.endswith(": an input worker process died (killed by SIGKILL: out of memory? "
+                          "fewer data.num_workers or a smaller data.prefetch need less)"), message
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_error_a_worker_cannot_send_back_gives_one_line(workers):
+  # Grain pickles a worker's exception to send it; this one cannot be pickled (it holds a lock),
+  # which used to leave the training process waiting for ever. Same line with or without workers.
+  stream = loader.TrainStream(FailingExample(at=5), loader.Layout(4, 0, 1, 0), 0,
+                              loader.Parallelism(workers, 1, 2), None, "imagefolder:/x:train[:8]")
+  try:
+    assert next(stream)["label"].tolist() == [0, 1, 2, 3]
+    with pytest.raises(loader.InputError) as e:
+      next(stream)
+  finally:
+    stream.close()
+  assert str(e.value) == ("dataset='imagefolder:/x', step 1: the input pipeline failed "
+                          "(_Unpicklable: record 5 is cursed)")
+
+
+def test_workers_end_with_a_killed_training_process(digits):
+  # SIGKILL (or the out-of-memory killer) to the training process alone: its Grain workers notice
+  # and exit instead of waiting for ever on their full queues.
+  code = ("import multiprocessing, sys, time\n"
+          "from decay_jax.data import pipeline\n"
+          "cfg = pipeline.default_data_config()\n"
+          f"cfg.dataset = 'imagefolder:{digits['dir']}'\n"
+          "cfg.update(image_size=16, num_workers=2, num_threads=1)\n"
+          "stream = pipeline.make_train_iterator(cfg, 16, 0)\n"
+          "next(stream)\n"
+          "print(*[p.pid for p in multiprocessing.active_children()], flush=True)\n"
+          "time.sleep(600)\n")
+  proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=_env(), text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                          start_new_session=True)
+  try:
+    workers = [int(p) for p in proc.stdout.readline().split()]
+    assert len(workers) == 2, workers
+    assert {proc.pid, *workers} <= set(session_processes(proc.pid))  # + the resource tracker
+  finally:
+    proc.kill()  # the training process only
+    proc.wait()
+  assert wait_for_no_processes(proc.pid) == []
+
+
+def test_ctrl_c_stops_the_stream_without_worker_tracebacks(digits):
+  # Ctrl-C reaches the whole process group: the workers leave it to the training process, which
+  # closes the stream (before, each worker printed a KeyboardInterrupt traceback).
+  code = ("import signal, time\n"
+          "signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignoring it\n"
+          "from decay_jax.data import pipeline\n"
+          "cfg = pipeline.default_data_config()\n"
+          f"cfg.dataset = 'imagefolder:{digits['dir']}'\n"
+          "cfg.update(image_size=16, num_workers=2, num_threads=1)\n"
+          "stream = pipeline.make_train_iterator(cfg, 16, 0)\n"
+          "for _ in range(4):\n"
+          "  next(stream)  # both workers have sent batches: they are past their start\n"
+          "print('reading', flush=True)\n"
+          "try:\n"
+          "  while True:\n"
+          "    next(stream)\n"
+          "    time.sleep(0.01)\n"
+          "except KeyboardInterrupt:\n"
+          "  print('interrupted', flush=True)\n"
+          "finally:\n"
+          "  stream.close()\n"
+          "print('closed', flush=True)\n")
+  proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=_env(), text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+  try:
+    assert proc.stdout.readline() == "reading\n"
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C
+    stdout, stderr = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+  assert proc.returncode == 0 and stdout == "interrupted\nclosed\n", (stdout, stderr[-3000:])
+  assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-2000:]
+  assert wait_for_no_processes(proc.pid) == []
+
+
 # ------------------------------------------------------------------------------------------------
 # The training command, for real: SIGKILL + rerun, and a crash on a bad image.
 
@@ -222,14 +339,29 @@ def _command(workdir, folder):
           f"--workdir={workdir}", f"--config.data.dataset=imagefolder:{folder}", *TINY]
 
 
+_CACHE = {}  # the module's JAX compilation cache directory (set by the digits fixture)
+
+
 def _env():
-  return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+  if "dir" in _CACHE:
+    env.update(JAX_COMPILATION_CACHE_DIR=_CACHE["dir"],
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  return env
 
 
 def _run(workdir, folder):
-  p = subprocess.run(_command(workdir, folder), cwd=REPO, capture_output=True, text=True,
-                     timeout=300, env=_env())
-  return p
+  """Runs the training command to its end; checks that it left no process behind."""
+  proc = subprocess.Popen(_command(workdir, folder), cwd=REPO, env=_env(), text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+  try:
+    stdout, stderr = proc.communicate(timeout=300)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+  assert wait_for_no_processes(proc.pid) == [], "the command left processes behind"
+  return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def _final_params(workdir):
@@ -293,6 +425,7 @@ def test_unreadable_image_stops_training_with_one_line_and_intact_checkpoints(di
       "(not an image file Pillow can decode)"], p.stderr[-3000:]
   assert "Traceback" not in p.stderr
   assert ckpt_lib.checkpoint_steps(workdir) == [2]
+  assert os.path.exists(os.path.join(workdir, "checkpoints", "2", "data", "process_0-of-1.json"))
   _final_params(workdir)  # the last checkpoint restores
   with open(victim, "wb") as f:  # mended: the rerun continues from step 2 to the same end
     f.write(original)

@@ -44,3 +44,59 @@ def write_digit_folder(directory: str, train: int = 64, test_per_class: int = 2)
       Image.fromarray(image[..., 0], "L").save(
           os.path.join(directory, split, str(label), f"{i:04d}.png"))
   return directory
+
+
+def session_processes(session_id: int) -> list:
+  """Pids of the live processes of a session (``start_new_session=True`` makes a command the leader
+  of its own; workers it spawned stay in it even when orphaned). Zombies do not count."""
+  out = []
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit():
+      continue
+    try:
+      with open(f"/proc/{entry}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:  # gone meanwhile
+      continue
+    if fields[0] not in "ZX" and int(fields[3]) == session_id:
+      out.append(int(entry))
+  return out
+
+
+def wait_for_no_processes(session_id: int, limit_s: float = 60.0) -> list:
+  """Waits (up to ``limit_s``) until no process of the session is left; returns the pids that were
+  left, after killing them (so that a failing test leaves nothing running)."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  deadline = time.monotonic() + limit_s
+  while (left := session_processes(session_id)) and time.monotonic() < deadline:
+    time.sleep(0.2)
+  for pid in left:
+    try:
+      os.kill(pid, signal.SIGKILL)
+    except OSError:
+      pass
+  return left
+
+
+class _Unpicklable(Exception):
+  """An exception a worker cannot send back (pickling its lock fails in the queue's thread)."""
+
+  def __init__(self, message):
+    super().__init__(message)
+    import threading  # pylint: disable=g-import-not-at-top
+    self.lock = threading.Lock()
+
+
+class FailingExample:
+  """A training-stream example (``loader.TrainStream``) that raises an exception Grain cannot pickle
+  at index ``at`` (importable here, so that a Grain worker process can unpickle it)."""
+
+  def __init__(self, at: int):
+    self.at = at
+
+  def __call__(self, j):
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    if j == self.at:
+      raise _Unpicklable(f"record {j} is cursed")
+    return {"image": np.zeros((2, 2, 1), np.uint8), "label": np.int32(j)}

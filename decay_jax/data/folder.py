@@ -30,15 +30,23 @@ def root_of(dataset: str) -> Optional[str]:
   return str(paths.resolve(dataset[len(config.IMAGEFOLDER_PREFIX):]))
 
 
-def _subdirs(directory: str) -> List[str]:
-  return sorted(p.name for p in paths.resolve(directory).iterdir() if p.is_dir())
+def _subdirs(directory: str, dataset: str) -> List[str]:
+  """The sorted names of the folders in ``directory``; a one-line error if it cannot be listed."""
+  try:
+    return sorted(p.name for p in paths.resolve(directory).iterdir() if p.is_dir())
+  except OSError as e:
+    raise ValueError(f"dataset={dataset!r} cannot be read; the folder {directory!r} cannot be "
+                     f"listed ({type(e).__name__}: {e.strerror or e})") from None
 
 
 def split_names(root: str, dataset: str) -> List[str]:
   """The split folders of an image-folder root; one-line errors for a missing or empty root."""
-  if not paths.exists(root) or not paths.resolve(root).is_dir():
+  if not paths.exists(root):
     raise ValueError(f"dataset={dataset!r} is not allowed; the directory {root!r} does not exist")
-  names = _subdirs(root)
+  if not paths.resolve(root).is_dir():
+    raise ValueError(f"dataset={dataset!r} is not allowed; {root!r} is a file, not a directory "
+                     "(expected DIR/<split>/<class>/<image>)")
+  names = _subdirs(root, dataset)
   if not names:
     raise ValueError(f"dataset={dataset!r} is not allowed; {root!r} has no split folders "
                      "(expected DIR/<split>/<class>/<image>, e.g. DIR/train/cat/1.png)")
@@ -49,7 +57,7 @@ def split_names(root: str, dataset: str) -> List[str]:
 def listing(root: str, split: str) -> Tuple[Tuple[str, ...], Tuple[str, ...], np.ndarray]:
   """``(class_names, files, labels int32)`` of one split folder (cached per process)."""
   directory = paths.join(root, split)
-  classes = tuple(_subdirs(directory))
+  classes = tuple(_subdirs(directory, config.IMAGEFOLDER_PREFIX + root))
   if not classes:
     raise ValueError(f"dataset='{config.IMAGEFOLDER_PREFIX}{root}' is not allowed; "
                      f"{directory!r} has no class folders (expected {directory}/<class>/<image>)")
@@ -85,8 +93,12 @@ def native_channels(path: str) -> int:
   try:
     with paths.resolve(path).open("rb") as f, Image.open(f) as image:
       return 1 if image.mode in _GREY_MODES else 3
+  except Image.UnidentifiedImageError:
+    raise ValueError(f"image {path!r} cannot be read (not an image file Pillow can decode)"
+                     ) from None
   except Exception as e:  # pylint: disable=broad-except
-    raise ValueError(f"image {path!r} cannot be read ({type(e).__name__})") from None
+    raise ValueError(f"image {path!r} cannot be read ({type(e).__name__}: "
+                     f"{' '.join(str(e).split())[:120]})") from None
 
 
 class FolderRecords:

@@ -13,13 +13,23 @@ and batched (each batch is built by one thread of one worker, so workers never r
 read by ``num_threads`` threads in each of ``num_workers`` processes (``mp_prefetch``), normalised
 to float32 in the training process. ``TrainStream.get_state()`` is Grain's iterator state plus the
 facts it is valid for; the trainer saves it in each checkpoint and hands it back on resume.
+
+Anything that fails while reading (a record in a thread or a worker process, a worker that died)
+stops the stream with one ``InputError`` line naming the dataset, the step and, where one is to
+blame, the file; the workers ignore Ctrl-C (the training process closes them) and end when their
+training process has been killed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
+import re
+import signal
+import threading
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import grain
@@ -136,14 +146,84 @@ class InputError(ValueError):
   is one line naming the dataset and, where one is to blame, the file."""
 
 
+# Grain's report of a worker process that ended without sending an exception (killed, crashed).
+_WORKER_DIED = re.compile(r"Worker process was terminated unexpectedly with exit code (-?\d+)")
+
+
+def _worker_death(code: int) -> str:
+  if code >= 0:
+    return f"an input worker process died (exit status {code})"
+  try:
+    name = signal.Signals(-code).name
+  except ValueError:
+    name = f"signal {-code}"
+  advice = (": out of memory? fewer data.num_workers or a smaller data.prefetch need less"
+            if -code == signal.SIGKILL else "")
+  return f"an input worker process died (killed by {name}{advice})"
+
+
 def one_line(e: BaseException) -> str:
-  """An exception as one short line: our own ValueErrors as they are, others with their type."""
+  """An exception as one short line: our own ValueErrors as they are, a dead Grain worker as such,
+  others with their type."""
   text = " ".join(str(e).split())
+  died = _WORKER_DIED.search(text) if isinstance(e, RuntimeError) else None
+  if died:
+    return _worker_death(int(died.group(1)))
   if len(text) > 300:
     text = text[:297] + "..."
   if isinstance(e, ValueError) and text:
     return text
-  return f"the input pipeline failed ({type(e).__name__}: {text})" if text else type(e).__name__
+  return f"the input pipeline failed ({type(e).__name__}: {text})" if text else (
+      f"the input pipeline failed ({type(e).__name__})")
+
+
+class OneLineErrors:
+  """``fn`` with any exception it raises turned into a plain one-line ``ValueError``.
+
+  Grain hands an exception raised in a worker process to the training process by pickling it; one
+  that cannot be pickled (an attribute holding a lock or a file) is printed by the worker's queue
+  thread and lost, and the training process then waits for ever; one whose class cannot be rebuilt
+  from its arguments arrives as an unrelated TypeError. A plain ValueError always arrives, and it
+  reads the same whatever the worker and thread counts.
+  """
+
+  def __init__(self, fn: Callable[[int], Any]):
+    self.fn = fn
+
+  def __call__(self, index: int) -> Any:
+    try:
+      return self.fn(index)
+    # SystemExit too: sys.exit() in a worker would end it with only an exit status to show.
+    except (Exception, SystemExit) as e:  # pylint: disable=broad-except
+      raise ValueError(one_line(e)) from None
+
+
+def dataset_and_split(source: str) -> Tuple[str, str]:
+  """``'imagefolder:/data:train[:800]'`` -> ``('imagefolder:/data', 'train[:800]')``."""
+  head = source[:source.rfind("[")] if source.endswith("]") else source
+  cut = head.rfind(":")
+  return source[:cut], source[cut + 1:]
+
+
+def _watch_parent() -> None:
+  """Ends this worker process when the training process has died (its sentinel pipe closes)."""
+  parent = multiprocessing.parent_process()
+  if parent is not None:
+    multiprocessing.connection.wait([parent.sentinel])
+    os._exit(0)  # no clean-up to wait for: the resource tracker frees the shared memory
+
+
+def worker_init(worker_index: int, worker_count: int) -> None:
+  """Runs first in each Grain worker process.
+
+  Ctrl-C reaches every process of the terminal's process group: the training process handles it
+  (closing the stream stops its workers), the workers ignore it instead of each printing a
+  KeyboardInterrupt traceback. And a worker whose training process was killed (SIGKILL, the
+  out-of-memory killer) exits at once instead of waiting for ever on its full queue.
+  """
+  del worker_index, worker_count
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  threading.Thread(target=_watch_parent, name="decay_jax-parent-watch", daemon=True).start()
 
 
 def _start_quiet_resource_tracker() -> None:
@@ -201,7 +281,8 @@ class TrainStream:
   def __init__(self, example: Callable[[int], dict], layout: Layout, seed: int,
                parallel: Parallelism, finish: Optional[Callable[[dict], dict]], source: str):
     self.layout, self.seed, self.parallel, self.source = layout, seed, parallel, source
-    dataset = grain.MapDataset.range(_ENDLESS).map(example).batch(layout.local_batch)
+    dataset = grain.MapDataset.range(_ENDLESS).map(OneLineErrors(example)).batch(
+        layout.local_batch)
     stream = dataset.to_iter_dataset(grain.ReadOptions(
         num_threads=parallel.num_threads, prefetch_buffer_size=parallel.prefetch))
     if parallel.num_workers > 0:
@@ -209,13 +290,16 @@ class TrainStream:
       if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
       _start_quiet_resource_tracker()
-      stream = stream.mp_prefetch(grain.MultiprocessingOptions(
-          num_workers=parallel.num_workers, per_worker_buffer_size=parallel.prefetch))
+      stream = stream.mp_prefetch(
+          grain.MultiprocessingOptions(num_workers=parallel.num_workers,
+                                       per_worker_buffer_size=parallel.prefetch),
+          worker_init_fn=worker_init)
     if finish is not None:
       stream = stream.map(finish)
     self._iterator = iter(stream)
     self.next_step = layout.start_step
     self.restored = False  # whether Grain's iterator came from a saved state
+    self._failure: Optional[InputError] = None
 
   def get_state(self) -> dict:
     identity = stream_identity(self.layout, self.seed, self.parallel, self.source)
@@ -232,23 +316,35 @@ class TrainStream:
     return self
 
   def __next__(self) -> Dict[str, np.ndarray]:
+    if self._failure is not None:
+      raise self._failure
     try:
       batch = next(self._iterator)
     except Exception as e:  # pylint: disable=broad-except  (a record, a thread or a worker failed)
-      raise InputError(f"dataset={self.source.rsplit(':', 1)[0]!r}, step {self.next_step}: "
-                       f"{one_line(e)}") from None
+      self._failure = InputError(f"dataset={dataset_and_split(self.source)[0]!r}, "
+                                 f"step {self.next_step}: {one_line(e)}")
+      self.close()  # the other workers stop now, not when the caller gets round to it
+      raise self._failure from None
     self.next_step += 1
     return batch
 
   def close(self) -> None:
-    close = getattr(self._iterator, "close", None)
+    """Stops the workers and threads; idempotent, and never raises (a worker may be dead)."""
+    iterator, self._iterator = self._iterator, None
+    if self._failure is None:
+      self._failure = InputError(f"dataset={dataset_and_split(self.source)[0]!r}: the input "
+                                 "stream was closed")
+    close = getattr(iterator, "close", None)
     if close is not None:
-      close()
+      try:
+        close()
+      except Exception:  # pylint: disable=broad-except
+        pass
 
 
 def eval_batches(example: Callable[[int], dict], n: int, parallel: Parallelism):
   """The examples ``0 .. n-1`` in order, in batches of up to 256, read by Grain threads."""
-  dataset = grain.MapDataset.range(n).map(example).batch(_EVAL_CHUNK)
+  dataset = grain.MapDataset.range(n).map(OneLineErrors(example)).batch(_EVAL_CHUNK)
   return dataset.to_iter_dataset(grain.ReadOptions(
       num_threads=parallel.num_threads, prefetch_buffer_size=parallel.prefetch))
 
@@ -265,12 +361,20 @@ class ImageEvalExample:
             "label": np.int32(label)}
 
 
-def eval_arrays(records, spec: AugmentSpec, n: int, parallel: Parallelism) -> Dict[str, np.ndarray]:
-  """``{'image': float32 (n, S, S, C) normalised, 'label': int32 (n,)}``: the first n records."""
+def eval_arrays(records, spec: AugmentSpec, n: int, parallel: Parallelism,
+                source: Optional[str] = None) -> Dict[str, np.ndarray]:
+  """``{'image': float32 (n, S, S, C) normalised, 'label': int32 (n,)}``: the first n records.
+
+  ``source`` (e.g. ``"imagefolder:/data:test"``) names the dataset and split in errors.
+  """
   try:
     parts = list(eval_batches(ImageEvalExample(records, spec), n, parallel))
   except Exception as e:  # pylint: disable=broad-except
-    raise InputError(one_line(e)) from None
+    where = ""
+    if source is not None:
+      dataset, split = dataset_and_split(source)
+      where = f"dataset={dataset!r}, split {split!r}: "
+    raise InputError(where + one_line(e)) from None
   images = np.concatenate([p["image"] for p in parts])
   labels = np.concatenate([p["label"] for p in parts]).astype(np.int32)
   return {"image": augment.normalize_uint8(images, spec.normalize), "label": labels}

@@ -71,7 +71,8 @@ class Source:
   def eval_arrays(self, split: str, field: str) -> Dict[str, np.ndarray]:
     """See ``pipeline.load_eval_arrays``; ``field`` names ``split`` in error messages."""
     records = self.records(split, field)
-    return loader.eval_arrays(records, self.spec, self._eval_count(records), self.parallel)
+    return loader.eval_arrays(records, self.spec, self._eval_count(records), self.parallel,
+                              source=f"{self.cfg.dataset}:{split}")
 
 
 class NpzSource(Source):
