@@ -166,7 +166,7 @@ class TfdsSource(Source):
 
   def records(self, split, field):
     self._check((split, field))
-    return tfds_records.TfdsRecords(self.cfg, split, field)
+    return tfds_records.TfdsRecords(self.builder, split, field)
 
   def info(self) -> dict:
     channels = self._check((self.cfg.train_split, "train_split"),

@@ -76,9 +76,8 @@ def data_source(tfds_builder, split: str, field: str):
 class TfdsRecords:
   """``records[i] -> (uint8 (H, W, C), int label)`` of one TFDS split (pickles for Grain workers)."""
 
-  def __init__(self, cfg, split: str, field: str):
-    tfds_builder = builder(cfg)
-    check_split(tfds_builder, split, field)
+  def __init__(self, tfds_builder, split: str, field: str):
+    """``tfds_builder``: from ``builder``; ``split`` has passed ``check_split``."""
     self.source = data_source(tfds_builder, split, field)
 
   def __len__(self) -> int:
