@@ -10,6 +10,8 @@ import pytest
 
 from decay_jax.models import schedules
 from decay_jax.models import blocks
+from decay_jax.models import factory
+from decay_jax.models import layers
 from decay_jax.models import mae as mae_lib
 from decay_jax.models import sit as sit_lib
 
@@ -160,6 +162,8 @@ def test_sit_xl2_parameter_count():
     (lambda: mae_lib.mae("B/16", shortcut_form="rezero"), "shortcut_form='rezero' is not allowed; choose one of 'decay'"),
     (lambda: mae_lib.mae("B/16", remat_policy="some"), "remat_policy='some' is not allowed; choose one of 'none', 'full', 'dots'"),
     (lambda: mae_lib.mae("B/16", attention_impl="flash"), "attention_impl='flash' is not allowed"),
+    (lambda: mae_lib.mae("B/16", attention_impl="cudnn"), "attention_impl='cudnn' is not allowed with dtype=float32; cuDNN flash attention needs dtype bfloat16 or float16"),
+    (lambda: sit_lib.sit("S/2", attention_impl="cudnn"), "attention_impl='cudnn' is not allowed with dtype=float32"),
     (lambda: mae_lib.mae("B/16", dtype=jnp.int8), "dtype='int8' is not allowed; choose one of 'float32', 'bfloat16', 'float16'"),
     (lambda: mae_lib.mae("B/17"), "preset='B/17' is not allowed; choose one of 'B/16', 'L/16', 'H/14'"),
     (lambda: mae_lib.mae("B/16", alpha=0.7), r"unknown MaskedAutoencoder field\(s\) \['alpha'\]"),
@@ -171,6 +175,26 @@ def test_sit_xl2_parameter_count():
 def test_bad_fields_fail_at_construction(make, match):
   with pytest.raises(ValueError, match=match):
     make()
+
+
+def test_attention_none_chooses_cudnn_on_gpu_for_half_precision_and_shapes_it_takes(monkeypatch):
+  resolve = layers.resolve_attention
+  assert resolve("xla", jnp.bfloat16, 256, 72) == "xla"
+  assert resolve(None, jnp.bfloat16, 256, 72) is None  # this machine is a CPU
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert resolve(None, jnp.bfloat16, 256, 72) == "cudnn"  # SiT-XL/2
+  assert resolve(None, jnp.float16, 50, 64) == "cudnn"  # MAE ViT-L/16's encoder
+  assert resolve(None, jnp.bfloat16, 197, 64) is None  # its decoder: an odd token count
+  assert resolve(None, jnp.bfloat16, 256, 76) is None  # head dim not a multiple of 8
+  assert resolve(None, jnp.bfloat16, 256, 160) is None  # head dim over 128
+  assert resolve(None, jnp.float32, 256, 72) is None  # cuDNN has no float32 kernel
+  assert resolve("cudnn", jnp.bfloat16, 197, 64) == "cudnn"  # an explicit choice stands
+  # A model trained with cuDNN attention (model.json says so) is rebuilt choosing again.
+  fields = factory.model_fields(mae_lib.mae("micro/4", dtype=jnp.bfloat16, attention_impl="cudnn"))
+  assert fields["attention_impl"] == "cudnn"
+  assert factory.model_from_fields("MaskedAutoencoder", fields).attention_impl is None
+  fields["attention_impl"] = "xla"
+  assert factory.model_from_fields("MaskedAutoencoder", fields).attention_impl == "xla"
 
 
 def test_bfloat16_compute_keeps_float32_params_and_residual_stream():

@@ -61,6 +61,8 @@ def model_from_fields(kind: str, fields: dict):
   fields = dict(fields)
   if "dtype" in fields:
     fields["dtype"] = jnp.dtype(fields["dtype"])
+  if fields.get("attention_impl") == "cudnn":  # trained on a GPU: here the choice is made again
+    fields["attention_impl"] = None
   return MODEL_CLASSES[kind](**fields)
 
 

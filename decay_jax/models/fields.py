@@ -31,6 +31,10 @@ def check_common(m) -> None:
   except TypeError:
     name = m.dtype if isinstance(m.dtype, str) else repr(m.dtype)
   validate.check_choice("dtype", name, COMPUTE_DTYPES)
+  if m.attention_impl == "cudnn" and name not in layers.CUDNN_DTYPES:
+    raise ValueError(f"attention_impl='cudnn' is not allowed with dtype={name}; cuDNN flash "
+                     f"attention needs dtype {' or '.join(layers.CUDNN_DTYPES)} (or choose "
+                     "attention_impl=xla)")
 
 
 def check_once(m, check: Callable) -> None:

@@ -21,6 +21,8 @@ import numpy as np
 Dtype = Any
 
 ATTENTION_IMPLS = (None, "xla", "cudnn")
+# cuDNN flash attention has kernels for these compute dtypes only.
+CUDNN_DTYPES = ("bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots")
 
 xavier_uniform = nn.initializers.xavier_uniform()
@@ -74,6 +76,23 @@ def sincos_2d(embed_dim: int, grid_size: int, cls_token: bool = False) -> np.nda
   return emb.astype(np.float32)
 
 
+def resolve_attention(implementation: Optional[str], dtype, tokens: int, head_dim: int
+                      ) -> Optional[str]:
+  """The attention kernel for ``tokens`` x ``head_dim`` heads: ``implementation`` where given;
+  where None, cuDNN flash attention on a GPU backend for bfloat16/float16 compute and shapes its
+  training kernel takes (head dim a multiple of 8 up to 128, an even token count: JAX 0.11 refuses
+  MAE's 197-token decoder), XLA's otherwise (None).
+
+  An execution choice, not part of the model: both compute the same softmax attention.
+  """
+  if implementation is not None:
+    return implementation
+  if (jax.default_backend() == "gpu" and jnp.dtype(dtype).name in CUDNN_DTYPES
+      and head_dim % 8 == 0 and head_dim <= 128 and tokens % 2 == 0):
+    return "cudnn"
+  return None
+
+
 def layer_norm(name: Optional[str] = None, affine: bool = True) -> nn.LayerNorm:
   """LayerNorm eps 1e-6 computed in float32 (two-pass variance, as torch)."""
   return nn.LayerNorm(epsilon=1e-6, use_bias=affine, use_scale=affine, dtype=jnp.float32,
@@ -85,7 +104,7 @@ class Attention(nn.Module):
 
   The ``3C`` qkv outputs are ``[q | k | v]``, each split head-major into contiguous ``C/H`` chunks;
   softmax scale ``(C/H)^-1/2``; no mask, no dropout (docs/official_code.md 1.5).
-  Input and output ``(N, T, C)``.
+  Input and output ``(N, T, C)``. ``implementation`` None chooses per shape (``resolve_attention``).
   """
   num_heads: int
   dtype: Dtype = jnp.float32
@@ -99,7 +118,8 @@ class Attention(nn.Module):
                    name="qkv")(x)
     qkv = qkv.reshape(n, t, 3, self.num_heads, c // self.num_heads)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    out = jax.nn.dot_product_attention(q, k, v, implementation=self.implementation)
+    impl = resolve_attention(self.implementation, self.dtype, t, c // self.num_heads)
+    out = jax.nn.dot_product_attention(q, k, v, implementation=impl)
     return nn.Dense(c, dtype=self.dtype, kernel_init=self.proj_init, bias_init=zeros,
                     name="proj")(out.reshape(n, t, c))
 
