@@ -1,63 +1,110 @@
 #!/usr/bin/env bash
-# GPU benchmark of the train step: SiT-XL/2 and MAE ViT-L/16 in bfloat16 with cuDNN attention on
-# every GPU of this host; prints images/s and MFU against the device's dense bf16 peak
-# (decay_jax/models/flops.py; unknown GPUs get no MFU).
-#   bash launch/gpu_bench.sh [OUT.jsonl]        # default OUT: /tmp/decay_jax_gpu_bench.jsonl
-# Installs the pinned JAX's CUDA build (JAX_EXTRA=cuda12, or cuda13) into .venv unless JAX already
-# sees a GPU (offline machines with a ready .venv install nothing). Per-device batches:
-# SIT_BATCH (default 64, the official 256 over 4 GPUs) and MAE_BATCH (default 128); STEPS timed
-# steps (default 20); FSDP shards parameters over that many GPUs (default 1); REMAT (none, full or
-# dots) overrides the configs' remat policy, to measure its time cost.
-# BENCH_PLATFORM=cpu runs the same two commands on CPU with tiny models, XLA attention and 2 steps
-# (a check of this script; those numbers mean nothing). DRY_RUN=1 prints the commands.
+# GPU benchmark of the train step on one host: SiT-XL/2 (cuDNN attention) and MAE ViT-L/16 (XLA
+# attention) in bfloat16, then measured A/Bs on SiT-XL/2: MaxText's XLA GPU flags against XLA's
+# defaults, cuDNN against XLA attention, the per-GPU batch, and remat none/dots/full. Prints a
+# table of images/s and MFU against the device's dense bf16 peak (FLOPs = 2 x multiply-adds,
+# decay_jax/models/flops.py; unknown GPUs get no MFU).
+#   bash launch/gpu_bench.sh OUTDIR
+# Writes OUTDIR/bench.jsonl (one line per case), OUTDIR/bench.md (the table), OUTDIR/bench.log.
+# Installs the pinned JAX's CUDA build (JAX_EXTRA=cuda12, or cuda13) into .venv unless PYTHON (or
+# .venv/bin/python) already sees a GPU. SIT_BATCH (default 64, the official 256 over 4 GPUs) and
+# MAE_BATCH (default 128) are the per-GPU batches of the headline cases; STEPS timed steps per
+# repeat (default 10) and REPEATS (default 3): the table gives the median repeat; FSDP shards
+# parameters over that many GPUs (default 1); BUDGET_S (default 0: none) skips the cases that would
+# start after that many seconds (they are listed in order of importance).
+# BENCH_PLATFORM=cpu runs the headline cases and the flag A/B on CPU with tiny models, XLA
+# attention and 2 steps (a check of this script; those numbers mean nothing). DRY_RUN=1 prints the
+# commands.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-/tmp/decay_jax_gpu_bench.jsonl}
-PY=.venv/bin/python
+OUTDIR=${1:?usage: bash launch/gpu_bench.sh OUTDIR}
+PY=${PYTHON:-.venv/bin/python}
 PLATFORM=${BENCH_PLATFORM:-gpu}
-STEPS=${STEPS:-20}
+STEPS=${STEPS:-10}
+REPEATS=${REPEATS:-3}
 ATTENTION=cudnn
+SIT_BATCH=${SIT_BATCH:-64}
+MAE_BATCH=${MAE_BATCH:-128}
+# MaxText's single-host GPU flags that act on one process: the latency-hiding scheduler, cuBLAS
+# GEMMs instead of Triton's, no CUDA command buffers (graphs).
+MAXTEXT_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_command_buffer="
 case "$PLATFORM" in
   gpu) TINY=() ;;
-  cpu) export JAX_PLATFORMS=cpu; STEPS=2; ATTENTION=xla; SIT_BATCH=2; MAE_BATCH=2
+  cpu) export JAX_PLATFORMS=cpu; STEPS=2; REPEATS=1; ATTENTION=xla; SIT_BATCH=2; MAE_BATCH=2
        TINY=(--config.model.preset=micro/4 --config.data.image_size=16) ;;
   *) echo "error: BENCH_PLATFORM=$PLATFORM is not allowed; choose gpu or cpu" >&2; exit 2 ;;
 esac
-COMMON=(--steps="$STEPS" --out="$OUT" --config.model.dtype=bfloat16
-        --config.model.attention_impl="$ATTENTION" --config.mesh.data=-1
-        --config.mesh.fsdp="${FSDP:-1}" ${REMAT:+--remat="$REMAT"} "${TINY[@]}")
-SIT=(-m decay_jax.cli.bench --config=configs/sit_xl2.py --batch_per_device="${SIT_BATCH:-64}" "${COMMON[@]}")
-MAE=(-m decay_jax.cli.bench --config=configs/mae_vit_l16.py --batch_per_device="${MAE_BATCH:-128}" "${COMMON[@]}")
+COMMON=(--steps="$STEPS" --repeats="$REPEATS" --out="$OUTDIR/bench.jsonl"
+        --config.model.dtype=bfloat16 --config.mesh.data=-1 --config.mesh.fsdp="${FSDP:-1}" "${TINY[@]}")
+SIT=(-m decay_jax.cli.bench --config=configs/sit_xl2.py "${COMMON[@]}")
+MAE=(-m decay_jax.cli.bench --config=configs/mae_vit_l16.py "${COMMON[@]}")
+# One case per line: XLA_FLAGS (- for none) | the bench's arguments. In order of importance.
+# MAE runs XLA attention: JAX 0.11's cuDNN kernel refuses its decoder's 197 tokens in training.
+CASES=("-|${SIT[*]} --batch_per_device=$SIT_BATCH --config.model.attention_impl=$ATTENTION"
+       "$MAXTEXT_FLAGS|${SIT[*]} --batch_per_device=$SIT_BATCH --config.model.attention_impl=$ATTENTION"
+       "-|${MAE[*]} --batch_per_device=$MAE_BATCH --config.model.attention_impl=xla")
+if [ "$PLATFORM" = gpu ]; then
+  CASES+=("-|${SIT[*]} --batch_per_device=$SIT_BATCH --config.model.attention_impl=xla"
+          "-|${SIT[*]} --batch_per_device=$((SIT_BATCH * 2)) --config.model.attention_impl=cudnn"
+          "-|${SIT[*]} --batch_per_device=$((SIT_BATCH / 2)) --config.model.attention_impl=cudnn"
+          "-|${SIT[*]} --batch_per_device=$SIT_BATCH --config.model.attention_impl=cudnn --remat=dots"
+          "-|${SIT[*]} --batch_per_device=$SIT_BATCH --config.model.attention_impl=cudnn --remat=full"
+          "$MAXTEXT_FLAGS|${MAE[*]} --batch_per_device=$MAE_BATCH --config.model.attention_impl=xla")
+fi
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  printf '%q ' "$PY" "${SIT[@]}"; echo
-  printf '%q ' "$PY" "${MAE[@]}"; echo
+  for c in "${CASES[@]}"; do
+    f=${c%%|*}; [ "$f" = - ] || printf 'XLA_FLAGS=%q ' "$f"; echo "$PY ${c#*|}"
+  done
   exit 0
 fi
 
-if [ "$PLATFORM" = gpu ] && ! { [ -x "$PY" ] && "$PY" -c "import jax; jax.devices('gpu')" >/dev/null 2>&1; }; then
+if [ "$PLATFORM" = gpu ] && ! { command -v "$PY" >/dev/null && "$PY" -c "import jax; jax.devices('gpu')" >/dev/null 2>&1; }; then
   EXTRA=${JAX_EXTRA:-cuda12}
   case "$EXTRA" in
     cuda12|cuda13) ;;
     *) echo "error: JAX_EXTRA=$EXTRA is not allowed; choose cuda12 or cuda13" >&2; exit 2 ;;
   esac
   source launch/venv.sh requirements.txt
+  PY=.venv/bin/python
   "$PY" -m pip install -q "jax[$EXTRA]==$(sed -n 's/^jax==//p' requirements.txt)"
   "$PY" -c "import jax; print('GPUs:', jax.devices('gpu'))"
 fi
-[ -x "$PY" ] || source launch/venv.sh requirements.txt
+command -v "$PY" >/dev/null || { source launch/venv.sh requirements.txt; PY=.venv/bin/python; }
 
-: > "$OUT"
-"$PY" "${SIT[@]}"
-"$PY" "${MAE[@]}"
-"$PY" - "$OUT" <<'EOF'
+mkdir -p "$OUTDIR"
+: > "$OUTDIR/bench.jsonl"
+start=$(date +%s)
+failed=0
+for c in "${CASES[@]}"; do
+  f=${c%%|*}; [ "$f" = - ] && f=""
+  elapsed=$(( $(date +%s) - start ))
+  if [ "${BUDGET_S:-0}" -gt 0 ] && [ "$elapsed" -ge "${BUDGET_S}" ]; then
+    echo "skipped after ${elapsed} s (BUDGET_S=$BUDGET_S): ${c#*|}" | tee -a "$OUTDIR/bench.log"
+    continue
+  fi
+  echo "=== [${elapsed} s] XLA_FLAGS='$f' ${c#*|}" | tee -a "$OUTDIR/bench.log"
+  # shellcheck disable=SC2086  # the case's arguments hold no spaces
+  if ! XLA_FLAGS="$f" "$PY" ${c#*|} >> "$OUTDIR/bench.log" 2>&1; then
+    echo "failed; the end of $OUTDIR/bench.log:"; tail -n 5 "$OUTDIR/bench.log"; failed=1
+  fi
+done
+"$PY" - "$OUTDIR/bench.jsonl" <<'PYEOF' | tee "$OUTDIR/bench.md"
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-print(f"\n{rows[0]['devices']} x {rows[0]['device_kind']}")
-print("| model | dtype | global batch | images/s | images/s/device | model TFLOP/s/device | MFU |")
-print("|---|---|---:|---:|---:|---:|---:|")
+if not rows:
+  sys.exit("no case finished")
+print(f"{rows[0]['devices']} x {rows[0]['device_kind']}; median of {rows[0]['repeats']} windows of "
+      f"{rows[0]['steps']} steps (min in brackets)\n")
+print("| model | attention | remat | XLA flags | batch/device | step ms | images/s/device | "
+      "model GFLOP/image | TFLOP/s/device | MFU | compile s |")
+print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
 for r in rows:
-  mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "n/a (unknown peak)"
-  print(f"| {r['config']} ({r['preset']}) | {r['dtype']} | {r['global_batch']} | "
-        f"{r['images_per_sec']} | {r['images_per_sec_per_device']} | "
-        f"{r['model_tflops_per_sec_per_device']} | {mfu} |")
-EOF
+  mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "n/a"
+  flags = "MaxText" if "latency_hiding" in r["xla_flags"] else "default"
+  print(f"| {r['config']} ({r['preset']}, {r['dtype']}) | {r['attention']} | {r['remat']} | "
+        f"{flags} | {r['global_batch'] // r['devices']} | {1e3 * r['step_seconds']:.1f} "
+        f"({1e3 * r['step_seconds_min']:.1f}) | {r['images_per_sec_per_device']} | "
+        f"{r['model_gflops_per_example']:.1f} | {r['model_tflops_per_sec_per_device']} | {mfu} | "
+        f"{r['compile_seconds']} |")
+PYEOF
+exit $failed

@@ -199,21 +199,49 @@ def test_docs_recipes_data_dir_override_reaches_the_trainer(trainer_parse):
                      "/shared/runs/mae_l16")
 
 
-def test_gpu_bench_dry_run_runs_sit_xl2_and_mae_vit_l_in_bf16_with_cudnn():
-  p = run(["bash", "launch/gpu_bench.sh", "/tmp/out.jsonl"], DRY_RUN="1")
+def test_gpu_bench_dry_run_runs_the_headline_cases_then_the_a_b_cases():
+  p = run(["bash", "launch/gpu_bench.sh", "/tmp/out"], DRY_RUN="1")
   assert p.returncode == 0, p.stderr
-  sit, mae = p.stdout.strip().splitlines()
-  for line in (sit, mae):
-    assert line.startswith(".venv/bin/python -m decay_jax.cli.bench ")
-    assert "--config.model.dtype=bfloat16 --config.model.attention_impl=cudnn" in line
-    assert "--steps=20 --out=/tmp/out.jsonl" in line and "micro" not in line
-  assert "--config=configs/sit_xl2.py --batch_per_device=64" in sit
-  assert "--config=configs/mae_vit_l16.py --batch_per_device=128" in mae
-  # The CPU check of the script: tiny models, XLA attention (cuDNN needs a GPU).
-  p = run(["bash", "launch/gpu_bench.sh"], DRY_RUN="1", BENCH_PLATFORM="cpu")
-  assert p.returncode == 0 and p.stdout.count("--config.model.preset=micro/4") == 2
-  assert "attention_impl=xla" in p.stdout and "cudnn" not in p.stdout
-  p = run(["bash", "launch/gpu_bench.sh"], BENCH_PLATFORM="tpu")
+  lines = p.stdout.strip().splitlines()
+  assert len(lines) == 9
+  for line in lines:
+    assert ".venv/bin/python -m decay_jax.cli.bench " in line and "micro" not in line
+    assert "--steps=10 --repeats=3 --out=/tmp/out/bench.jsonl" in line
+    assert "--config.model.dtype=bfloat16" in line
+  sit, sit_maxtext, mae = lines[:3]
+  assert "--config=configs/sit_xl2.py" in sit and "--batch_per_device=64" in sit
+  assert "attention_impl=cudnn" in sit and not sit.startswith("XLA_FLAGS")
+  assert sit_maxtext.startswith("XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true")
+  # cuDNN's training kernel refuses the MAE decoder's 197 tokens (JAX 0.11).
+  assert "--config=configs/mae_vit_l16.py" in mae and "--batch_per_device=128" in mae
+  assert "attention_impl=xla" in mae
+  assert sum("--remat=" in line for line in lines) == 2
+  assert {"--batch_per_device=32", "--batch_per_device=128"} <= set(p.stdout.split())
+  # The CPU check of the script: the three headline cases, tiny, XLA attention.
+  p = run(["bash", "launch/gpu_bench.sh", "/tmp/out"], DRY_RUN="1", BENCH_PLATFORM="cpu")
+  assert p.returncode == 0 and p.stdout.count("--config.model.preset=micro/4") == 3
+  assert "cudnn" not in p.stdout
+  p = run(["bash", "launch/gpu_bench.sh", "/tmp/out"], BENCH_PLATFORM="tpu")
+  assert p.returncode == 2 and "BENCH_PLATFORM=tpu is not allowed" in p.stderr
+  p = run(["bash", "launch/gpu_bench.sh"])
+  assert p.returncode != 0 and "usage: bash launch/gpu_bench.sh OUTDIR" in p.stderr
+
+
+def test_gpu_study_dry_run_trains_three_arms_then_reports():
+  p = run(["bash", "launch/gpu_study.sh", "/tmp/gs"], DRY_RUN="1", NPZ="/data/c.npz")
+  assert p.returncode == 0, p.stderr
+  lines = p.stdout.strip().splitlines()
+  assert len(lines) == 4
+  for line, arm in zip(lines, ("a0.6", "a0.8", "a1")):
+    assert line.endswith(f"--only={arm}_lr0.001_e300 ")
+  for line in lines:
+    assert "--config=research/small_scale_study/config_gpu.py --workdir=/tmp/gs/study" in line
+    assert "--grid=long --long_epochs=300 --config.data.num_workers=3" in line
+    assert "--config.data.dataset=npz:/data/c.npz" in line
+  assert lines[3].strip().endswith("--report_only")
+  p = run(["bash", "launch/gpu_study.sh", "/tmp/gs"], DRY_RUN="1", EPOCHS="100")
+  assert "--only=a1_lr0.001_e100" in p.stdout
+  p = run(["bash", "launch/gpu_study.sh", "/tmp/gs"], BENCH_PLATFORM="tpu")
   assert p.returncode == 2 and "BENCH_PLATFORM=tpu is not allowed" in p.stderr
 
 

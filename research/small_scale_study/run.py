@@ -97,8 +97,12 @@ def main(argv):
         eta = f", ETA of the remaining arms {(len(arms) - i) * per_arm / 60:.0f} min"
       logging.info("=== arm %d/%d: %s -> %s%s", i + 1, len(arms), a["name"], workdir, eta)
       t0 = time.perf_counter()
-      record = study_lib.run_arm(a, cfg, paths.join(workdir, a["name"]), mesh,
-                                 reevaluate=_REEVALUATE.value)
+      try:
+        record = study_lib.run_arm(a, cfg, paths.join(workdir, a["name"]), mesh,
+                                   reevaluate=_REEVALUATE.value)
+      except study_lib.Preempted as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        return 143  # 128 + SIGTERM, as a process killed by it
       if record.get("train_seconds") and time.perf_counter() - t0 > 60:
         done_seconds.append(time.perf_counter() - t0)
     logging.info("grid done in %.1f min", (time.perf_counter() - t_start) / 60)

@@ -118,6 +118,10 @@ def _earlier_runs_seconds(arm_dir: str) -> float:
   return total + last
 
 
+class Preempted(Exception):
+  """An arm's training stopped on SIGTERM after saving a checkpoint (the grid stops there)."""
+
+
 def run_arm(a, cfg, workdir: str, mesh, reevaluate: bool = False) -> Dict[str, Any]:
   """Trains (or resumes) one arm and evaluates its final checkpoint; returns its record.
 
@@ -137,7 +141,8 @@ def run_arm(a, cfg, workdir: str, mesh, reevaluate: bool = False) -> Dict[str, A
   t0 = time.perf_counter()
   results = trainer.train_and_evaluate(cfg, workdir, evaluators=registry.build)
   if results.get("preempted"):
-    raise KeyboardInterrupt(f"arm {a['name']} stopped by SIGTERM at step {results['step']}")
+    raise Preempted(f"arm {a['name']} stopped by SIGTERM at step {results['step']} (checkpoint "
+                    "saved); rerun the same command to resume")
   train_seconds = earlier + time.perf_counter() - t0
   evaluated = _evaluate(a, cfg, workdir, mesh, total)
   return _write_record(path, dict(
