@@ -348,6 +348,33 @@ class MaskedAutoencoderViT(nn.Module):
         return x
 
 
+class VisionTransformerClassifier(nn.Module):
+    """Upstream MAE's fine-tuning model (``models_vit.VisionTransformer``, global_pool=True) with the
+    decayed blocks (docs/finetune.md): [cls; patches] + pos_embed (a trainable parameter), blocks
+    with the official per-sublayer decay for ``min_decay``, mean of the patch tokens (cls left
+    out), ``fc_norm`` (LN eps 1e-6), ``head``. No final ``norm`` (upstream deletes it)."""
+
+    def __init__(self, img_size=32, patch_size=4, in_chans=3, embed_dim=64, depth=4, num_heads=4,
+                 num_classes=10, mlp_ratio=4.0, min_decay=1.0):
+        super().__init__()
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
+        n = self.patch_embed.num_patches
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, n + 1, embed_dim))
+        decay = 1 - np.linspace(0, 1, 2 * depth).reshape(depth, 2) * (1 - float(min_decay))
+        self.blocks = nn.ModuleList([Block(embed_dim, num_heads, mlp_ratio, decay=d)
+                                     for d in decay])
+        self.fc_norm = nn.LayerNorm(embed_dim, eps=1e-6)
+        self.head = nn.Linear(embed_dim, num_classes)
+
+    def forward(self, x):
+        x = self.patch_embed(x)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.fc_norm(x[:, 1:].mean(dim=1)))
+
+
 # ------------------------------------------------------------------------------------------------
 # 4.  SiT
 # ------------------------------------------------------------------------------------------------

@@ -386,3 +386,31 @@ class KnnEvaluator:
     if "knn/top5" in scalars:
       line += f" top5 {_pct(scalars['knn/top5'])}"
     return fit(line)
+
+
+class AccuracyEvaluator:
+  """Top-1 / top-5 of the fine-tuned classifier's logits on the evaluation split (upstream MAE
+  evaluates after every epoch: the images resized and centre-cropped by ``data.eval_resize``)."""
+
+  def __init__(self, cfg, model, data_cfg, mesh):
+    self.cfg, self.mesh, self.model = cfg, mesh, model
+    self.every_steps = cfg.every_steps
+    self.test = load_split(data_cfg, cfg.eval_split, cfg.max_eval_examples)
+    self.fn = lambda params, images: model.apply({"params": params}, images)
+
+  def evaluate(self, params) -> Dict[str, dict]:
+    logits = features.extract(self.fn, params, self.test["image"], self.mesh, self.cfg.batch_size)
+    labels = self.test["label"]
+    top5 = np.argsort(-logits, axis=-1)[:, :5]
+    return {"accuracy": {"top1": float(np.mean(top5[:, 0] == labels)),
+                         "top5": float(np.mean((top5 == labels[:, None]).any(axis=-1))),
+                         "num_eval": int(len(labels))}}
+
+  def run(self, params) -> Dict[str, float]:
+    res = self.evaluate(params)["accuracy"]
+    return {"accuracy/top1": res["top1"], "accuracy/top5": res["top5"]}
+
+  def summary(self, scalars: Dict[str, float]) -> str:
+    """``accuracy top1 81.2% top5 95.0%``."""
+    return fit(f"accuracy top1 {_pct(scalars['accuracy/top1'])} "
+               f"top5 {_pct(scalars['accuracy/top5'])}")

@@ -8,6 +8,7 @@ never imports an evaluator class. MAE evaluators:
   ``linear``: linear probes of the last block, official and upstream-MAE protocols.
   ``layers``: KNN and a fast linear probe on every block.
   ``rank``: effective rank per block and branch ratios per sublayer (cheap; on by default).
+Fine-tuning evaluator: ``accuracy``, top-1/top-5 of the classifier on the evaluation split.
 
 An evaluator has ``every_steps`` (0 = only at the end of training), ``run(params) -> dict`` of
 scalars, ``evaluate(params) -> dict`` of JSON-able report sections and ``summary(scalars) -> str``,
@@ -21,9 +22,10 @@ from typing import Any, Dict, Optional, Sequence
 from decay_jax import validate
 from decay_jax.evals import evaluators
 
-# config.evals section name -> evaluator class (the order of the report).
+# config.evals section name -> evaluator class (the order of the report), per task.
 EVALUATORS = {"knn": evaluators.KnnEvaluator, "linear": evaluators.LinearEvaluator,
               "layers": evaluators.LayerwiseEvaluator, "rank": evaluators.RankEvaluator}
+FINETUNE_EVALUATORS = {"accuracy": evaluators.AccuracyEvaluator}
 
 
 def build(config, model, mesh, names: Optional[Sequence[str]] = None) -> Dict[str, Any]:
@@ -32,13 +34,15 @@ def build(config, model, mesh, names: Optional[Sequence[str]] = None) -> Dict[st
   Raises:
     ValueError: a name that is not an evaluator, or one without a ``config.evals`` section.
   """
-  if config.task != "mae":
+  table = {"mae": EVALUATORS, "finetune": FINETUNE_EVALUATORS}.get(config.task)
+  if table is None:
     if names:
-      raise validate.not_allowed("task", config.task, "the evaluators need task='mae'")
+      raise validate.not_allowed("task", config.task, "the evaluators need task='mae' or "
+                                 "'finetune'")
     return {}
   for name in names or ():
-    validate.check_choice("evals", name, tuple(EVALUATORS))
+    validate.check_choice("evals", name, tuple(table))
     if name not in config.evals:
       raise validate.not_allowed("evals", name, f"config.evals has no {name!r} section")
-  wanted = names or [n for n in EVALUATORS if n in config.evals and config.evals[n].enabled]
-  return {name: EVALUATORS[name](config.evals[name], model, config.data, mesh) for name in wanted}
+  wanted = names or [n for n in table if n in config.evals and config.evals[n].enabled]
+  return {name: table[name](config.evals[name], model, config.data, mesh) for name in wanted}

@@ -149,6 +149,18 @@ def mae_rules(model: mae_lib.MaskedAutoencoder) -> List[Rule]:
   return rules
 
 
+def vit_rules(model) -> List[Rule]:
+  """The fine-tuning classifier (``models.vit.ViTClassifier``) under timm's / upstream MAE's
+  ``models_vit`` names (global pooling: ``fc_norm``, no ``norm``)."""
+  rules = [Rule("cls_token", ("cls_token",)), Rule("pos_embed", ("pos_embed",))]
+  rules += _conv("patch_embed.proj", ("patch_embed", "proj"))
+  for j in range(model.depth):
+    rules += _vit_block(f"blocks.{j}", ("blocks",), j)
+  rules += _norm("fc_norm", ("fc_norm",))
+  rules += _dense("head", ("head",))
+  return rules
+
+
 def mae_unused_skip_keys(model: mae_lib.MaskedAutoencoder) -> List[str]:
   """Keys of the SkipLayers the official model builds but never uses (ViT-L/H)."""
   return [f"skip.{i}.{name}" for i in range(model.num_skip_layers, len(model.skip_ids))
@@ -323,6 +335,13 @@ def mae_from_torch(state_dict: Mapping, model: mae_lib.MaskedAutoencoder) -> Tup
     params["alpha"] = jnp.asarray(model.shortcuts.alphas, jnp.float32)
     report.left_at_init.append("alpha (learnable ablation, initialised from the schedule)")
   return params, report
+
+
+def vit_from_torch(state_dict: Mapping, model) -> Tuple[dict, Report]:
+  """A fine-tuning classifier's state_dict (upstream ``models_vit`` names, global pooling) ->
+  Flax params of ``model`` (``models.vit.ViTClassifier``); every key must match."""
+  init_args = (jnp.zeros((1, model.img_size, model.img_size, model.in_chans)),)
+  return from_torch(state_dict, vit_rules(model), abstract_params(model, *init_args))
 
 
 def official_unused_skip_init(model: mae_lib.MaskedAutoencoder, seed: int = 0) -> Dict[str, np.ndarray]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from decay_jax.models import layers
@@ -36,6 +37,16 @@ def sow_branch_norms(module: nn.Module, name: str, x, alpha, branch, branch_scal
   module.sow("intermediates", name, jnp.stack([f, ident], axis=-1))
 
 
+def drop_path(module: nn.Module, branch, rate):
+  """Stochastic depth on a residual branch ``(N, T, C)`` (timm ``DropPath``): per example, the
+  whole branch is kept with probability ``1 - rate`` (``keep = floor(1 - rate + U[0, 1))``) and
+  then scaled by ``1 / (1 - rate)``. One draw per call from the ``'dropout'`` RNG; ``rate`` 0 keeps
+  every example unchanged."""
+  keep_prob = 1.0 - rate
+  u = jax.random.uniform(module.make_rng("dropout"), (branch.shape[0],) + (1,) * (branch.ndim - 1))
+  return branch * (jnp.floor(keep_prob + u) / keep_prob).astype(branch.dtype)
+
+
 class MAEBlock(nn.Module):
   """Pre-norm ViT block of the official decayed MAE (docs/official_code.md 1.5).
 
@@ -43,24 +54,31 @@ class MAEBlock(nn.Module):
   exact-erf GELU, and ``attn.proj`` / ``mlp.fc2`` weights zero-initialised. Input ``(N, T, C)``.
   With ``'intermediates'`` mutable it also sows ``attn_norms`` and ``mlp_norms``, each ``(N, 2)``:
   the mean token norm of the branch and of the scaled identity (see ``sow_branch_norms``).
+  With ``stochastic_depth`` (fine-tuning, training only) each branch goes through ``drop_path``
+  at ``drop_rate``, two independent draws; the scaled identity is never dropped.
   """
   num_heads: int
   mlp_ratio: float = 4.0
   branch_scale: float = 1.0
   dtype: Dtype = jnp.float32
   attention_impl: Optional[str] = None
+  stochastic_depth: bool = False
 
   @nn.compact
-  def __call__(self, x, alpha):
+  def __call__(self, x, alpha, drop_rate=0.0):
     c = x.shape[-1]
     h = layers.layer_norm("norm1")(x)
     h = layers.Attention(self.num_heads, self.dtype, proj_init=layers.zeros,
                          implementation=self.attention_impl, name="attn")(h)
+    if self.stochastic_depth:
+      h = drop_path(self, h, drop_rate)
     sow_branch_norms(self, "attn_norms", x, alpha[0], h, self.branch_scale)
     x = decayed_update(x, alpha[0], h, self.branch_scale)
     h = layers.layer_norm("norm2")(x)
     h = layers.Mlp(int(c * self.mlp_ratio), approximate_gelu=False, dtype=self.dtype,
                    fc2_init=layers.zeros, name="mlp")(h)
+    if self.stochastic_depth:
+      h = drop_path(self, h, drop_rate)
     sow_branch_norms(self, "mlp_norms", x, alpha[1], h, self.branch_scale)
     x = decayed_update(x, alpha[1], h, self.branch_scale)
     return x, x

@@ -16,25 +16,40 @@ from decay_jax import validate
 from decay_jax.models import inception as inception_lib
 from decay_jax.models import mae as mae_lib
 from decay_jax.models import sit as sit_lib
+from decay_jax.models import vit as vit_lib
 from decay_jax.models import vae as vae_lib
 
 MODEL_CLASSES = {"MaskedAutoencoder": mae_lib.MaskedAutoencoder, "SiT": sit_lib.SiT,
                  "AutoencoderKL": vae_lib.AutoencoderKL,
-                 "FIDInceptionV3": inception_lib.FIDInceptionV3}
-TASKS = ("mae", "sit")
+                 "FIDInceptionV3": inception_lib.FIDInceptionV3,
+                 "ViTClassifier": vit_lib.ViTClassifier}
+TASKS = ("mae", "sit", "finetune")
 
 
-def build_model(config, info: dict):
+def build_model(config, info: dict, pretrained=None):
   """The Flax model of a config; image size and channels come from the data (``info``).
 
-  The model checks its own fields; their errors name the field from the config root
-  (``model.alpha_min=...``).
+  Fine-tuning: the classifier over ``pretrained`` (an MAE: its sizes and decay schedule) with the
+  data's classes, or over ``model.preset``'s encoder without one. The model checks its own fields;
+  their errors name the field from the config root (``model.alpha_min=...``).
   """
   validate.check_choice("task", config.task, TASKS)
   m = config.model.to_dict()
   preset = m.pop("preset")
   m["attention_impl"] = m["attention_impl"] or None
+  if pretrained is not None and pretrained.in_chans != info["channels"]:
+    raise validate.not_allowed("data.dataset", config.data.dataset,
+                               f"it has {info['channels']} channels; the pre-trained encoder "
+                               f"takes {pretrained.in_chans}")
   try:
+    if config.task == "finetune":
+      run = dict(drop_path=m["drop_path"], dtype=m["dtype"], attention_impl=m["attention_impl"],
+                 remat_policy=m["remat_policy"], img_size=info["image_size"])
+      if pretrained is None:
+        decay = {k: m[k] for k in ("alpha_min", "schedule_convention", "schedule_shape",
+                                   "shortcut_form")}
+        return vit_lib.vit(preset, info["num_classes"], in_chans=info["channels"], **decay, **run)
+      return vit_lib.from_mae(pretrained, info["num_classes"], **run)
     if config.task == "mae":
       m.update(img_size=info["image_size"], in_chans=info["channels"])
       return mae_lib.mae(preset, **m)

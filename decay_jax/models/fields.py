@@ -13,6 +13,29 @@ from decay_jax.models import layers, schedules
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
+class DecayedShortcuts:
+  """Mixin of the decayed models: ``shortcuts``, the identity coefficients rebuilt from the fields
+  ``depth``, ``alpha_min``, ``schedule_convention``, ``schedule_shape``, ``shortcut_form``."""
+
+  @property
+  def shortcuts(self) -> schedules.Shortcuts:
+    return schedules.shortcuts(self.depth, self.alpha_min, self.schedule_convention,
+                               self.schedule_shape, self.shortcut_form)
+
+
+class PatchGrid:
+  """Mixin of the image encoders: ``grid`` patches per side and ``num_patches`` of an image of
+  ``img_size`` in ``patch_size`` patches."""
+
+  @property
+  def grid(self) -> int:
+    return self.img_size // self.patch_size
+
+  @property
+  def num_patches(self) -> int:
+    return self.grid ** 2
+
+
 def check_positive_ints(m, names) -> None:
   for field in names:
     validate.check_int(field, getattr(m, field))

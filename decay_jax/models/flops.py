@@ -43,6 +43,11 @@ def mae_feature_flops(m) -> float:
   return 2.0 * macs
 
 
+def vit_forward_flops(m) -> float:
+  """Forward FLOPs of the fine-tuning classifier: the unmasked encoder plus the head."""
+  return mae_feature_flops(m) + 2.0 * m.dim * m.num_classes
+
+
 def sit_forward_flops(m) -> float:
   """Forward FLOPs of one example through ``SiT`` ``m``."""
   t = m.grid ** 2

@@ -193,4 +193,4 @@ def scan_blocks(block_cls, depth: int, in_axes, remat_policy: str = "none"):
   ``'intermediates'`` (branch norms, only when the caller makes them mutable) get the layer axis too.
   """
   return nn.scan(remat(block_cls, remat_policy), variable_axes={"params": 0, "intermediates": 0},
-                 split_rngs={"params": True}, in_axes=in_axes, length=depth)
+                 split_rngs={"params": True, "dropout": True}, in_axes=in_axes, length=depth)

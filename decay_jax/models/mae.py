@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decay_jax.models import layers, schedules
+from decay_jax.models import layers
 from decay_jax.models.layers import Dtype
 from decay_jax.models import fields
 from decay_jax.models.blocks import MAEBlock
@@ -80,7 +80,7 @@ def norm_pix_target(target):
   return (target - mean) / (var + 1.0e-6) ** 0.5
 
 
-class MaskedAutoencoder(nn.Module):
+class MaskedAutoencoder(fields.DecayedShortcuts, fields.PatchGrid, nn.Module):
   """The official decayed-shortcut MAE (``MaskedAutoencoderViT`` of models_mae.py).
 
   Decay fields: ``alpha_min`` (1 = the standard residual network), ``schedule_convention``
@@ -113,14 +113,6 @@ class MaskedAutoencoder(nn.Module):
 
   # ----- constants derived from the fields -------------------------------------------------------
   @property
-  def grid(self) -> int:
-    return self.img_size // self.patch_size
-
-  @property
-  def num_patches(self) -> int:
-    return self.grid ** 2
-
-  @property
   def len_keep(self) -> int:
     return int(self.num_patches * (1 - self.mask_ratio))
 
@@ -133,11 +125,6 @@ class MaskedAutoencoder(nn.Module):
   def num_skip_layers(self) -> int:
     """SkipLayers that the forward uses: one per decoder block, at most one per skip output."""
     return min(len(self.skip_ids), self.decoder_depth)
-
-  @property
-  def shortcuts(self) -> schedules.Shortcuts:
-    return schedules.shortcuts(self.depth, self.alpha_min, self.schedule_convention,
-                               self.schedule_shape, self.shortcut_form)
 
   # ----- modules ---------------------------------------------------------------------------------
   def setup(self):

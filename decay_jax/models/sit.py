@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decay_jax.models import layers, schedules
+from decay_jax.models import layers
 from decay_jax.models.layers import Dtype
 from decay_jax.models import fields, routing
 from decay_jax.models.blocks import SiTBlock, modulate
@@ -46,7 +46,7 @@ class TimestepEmbedder(nn.Module):
                     bias_init=layers.zeros, name="mlp2")(nn.silu(h))
 
 
-class SiT(nn.Module):
+class SiT(fields.DecayedShortcuts, nn.Module):
   """The official decayed SiT (``SiT`` of SiT/models.py) with ``learn_sigma`` handling.
 
   With ``learn_sigma`` the final Linear has ``2C`` outputs per pixel (the official parameter shape,
@@ -85,11 +85,6 @@ class SiT(nn.Module):
   @property
   def grid(self) -> int:
     return self.input_size // self.patch_size
-
-  @property
-  def shortcuts(self) -> schedules.Shortcuts:
-    return schedules.shortcuts(self.depth, self.alpha_min, self.schedule_convention,
-                               self.schedule_shape, self.shortcut_form)
 
   def setup(self):
     sc = self.shortcuts

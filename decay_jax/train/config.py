@@ -88,6 +88,40 @@ def mae_config() -> mlc.ConfigDict:
   return c
 
 
+def finetune_config() -> mlc.ConfigDict:
+  """End-to-end fine-tuning defaults: upstream MAE's ViT-B/16 recipe (docs/finetune.md).
+
+  ``init_from``: a pre-training workdir of ``decay_jax.main`` (its latest checkpoint) or a params
+  directory (``decay_jax.convert mae ... --out DIR``); the classifier takes that encoder's sizes and
+  decay schedule (``model.preset`` and ``model.alpha_min`` are then not used). Empty: from scratch
+  with ``model.preset``'s encoder. The classes come from the data.
+  """
+  c = _common("finetune")
+  c.init_from = ""
+  c.model = _model_fields()
+  c.model.preset = "B/16"
+  c.model.drop_path = 0.1
+  c.data.dataset = "imagenet2012"
+  c.data.image_size = 224
+  c.data.normalize = "imagenet"
+  c.data.eval_split = "validation"
+  c.batch_size = 1024
+  c.num_epochs = 100.0
+  c.warmup_epochs = 5.0
+  c.checkpoint.every_steps = 2000
+  c.picture_every_steps = 0
+  c.optim = mlc.ConfigDict(dict(base_lr=5e-4, lr=mlc.FieldReference(None, field_type=float),
+                                schedule="warmup_cosine", b1=0.9, b2=0.999, eps=1e-8,
+                                weight_decay=0.05, min_lr=1e-6, grad_clip_norm=0.0,
+                                layer_decay=0.65))
+  # timm's Mixup as upstream calls it per 32-example GPU batch (data/mixup.py).
+  c.mixup = mlc.ConfigDict(dict(mixup_alpha=0.8, cutmix_alpha=1.0, switch_prob=0.5,
+                                smoothing=0.1, group=32))
+  c.evals.accuracy = mlc.ConfigDict(dict(enabled=True, every_steps=1251, eval_split="validation",
+                                         max_eval_examples=0, batch_size=256))
+  return c
+
+
 def sit_config() -> mlc.ConfigDict:
   """SiT training defaults: the official recipe (docs/official_code.md 5.2) at SiT-XL/2."""
   c = _common("sit")
@@ -161,6 +195,16 @@ def validate(config) -> None:
     raise ValueError("optim.lr or optim.base_lr must be > 0")
   validate_lib.check_range("ema_decay", config.ema_decay, 0.0, 1.0, high_open=True)
   validate_lib.check_range("optim.weight_decay", config.optim.weight_decay, 0.0)
+  if config.task == "finetune":
+    validate_lib.check_range("optim.layer_decay", config.optim.layer_decay, 0.0, 1.0,
+                             low_open=True)
+    validate_lib.check_int("mixup.group", config.mixup.group)
+    micro = config.batch_size // config.accum_steps
+    if micro % config.mixup.group:
+      raise validate_lib.not_allowed(
+          "mixup.group", config.mixup.group,
+          f"it must divide the microbatch batch_size / accum_steps = {micro}")
+    validate_lib.check_range("mixup.smoothing", config.mixup.smoothing, 0.0, 1.0, high_open=True)
 
 
 def override(config, **overrides):

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from decay_jax.data import mixup
 from decay_jax.models import flops, layers
 from decay_jax.diffusion import samplers
 from decay_jax.diffusion import transport as transport_lib
@@ -88,6 +89,51 @@ class MAETask:
 
   def train_flops_per_example(self) -> float:
     return 3.0 * flops.mae_forward_flops(self.model)
+
+
+class FinetuneTask:
+  """End-to-end fine-tuning (docs/finetune.md): Mixup/CutMix with label smoothing per group of
+  ``mixup_cfg.group`` examples, drop path, soft-target cross-entropy on the classifier's logits."""
+  name = "finetune"
+  picture_needs_batch = True  # the mixed training inputs of fixed evaluation images
+  picture_name = "mixed_inputs"
+
+  def __init__(self, model, mixup_cfg, mean=(0.0,), std=(1.0,)):
+    self.model = model
+    self.train_model = model.clone(train=True)
+    self.mixup_cfg = mixup_cfg
+    self.mean, self.std = mean, std
+
+  def init_inputs(self, batch: int):
+    m = self.model
+    return (jnp.zeros((batch, m.img_size, m.img_size, m.in_chans), jnp.float32),)
+
+  def mix(self, images, labels, rng):
+    c = self.mixup_cfg
+    return mixup.mixup_cutmix(rng, images, labels, self.model.num_classes, group=c.group,
+                              mixup_alpha=c.mixup_alpha, cutmix_alpha=c.cutmix_alpha,
+                              switch_prob=c.switch_prob, smoothing=c.smoothing)
+
+  def loss(self, params, batch, rng):
+    k_mix, k_drop = jax.random.split(rng)
+    images, targets = self.mix(batch["image"], batch["label"], k_mix)
+    logits = self.train_model.apply({"params": params}, images, rngs={"dropout": k_drop})
+    loss = mixup.soft_cross_entropy(logits, targets)
+    return loss, {"loss": loss}
+
+  def picture(self, params, batch, rng, num: int = 8, live=None) -> np.ndarray:
+    """Rows: the images, then what Mixup/CutMix made of them (groups of ``num``)."""
+    del params, live
+    imgs = batch["image"][:num]
+    c = self.mixup_cfg
+    mixed, _ = mixup.mixup_cutmix(rng, imgs, batch["label"][:num], self.model.num_classes,
+                                  group=num, mixup_alpha=c.mixup_alpha,
+                                  cutmix_alpha=c.cutmix_alpha, switch_prob=c.switch_prob,
+                                  smoothing=c.smoothing)
+    return grid([to_uint8(x, self.mean, self.std) for x in (np.asarray(imgs), np.asarray(mixed))])
+
+  def train_flops_per_example(self) -> float:
+    return 3.0 * flops.vit_forward_flops(self.model)
 
 
 class SiTTask:

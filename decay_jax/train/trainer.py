@@ -23,7 +23,8 @@ from decay_jax import logs, paths
 from decay_jax import sharding as shd
 from decay_jax.data import pipeline
 from decay_jax.models import factory, flops
-from decay_jax.train import evaluation, optim, tasks, writers
+from decay_jax.models import vit
+from decay_jax.train import evaluation, finetune_optim, optim, pretrained, tasks, writers
 from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import config as config_lib
 from decay_jax.train import step as step_lib
@@ -37,6 +38,8 @@ def make_task(config, model, info):
   mean, std = pipeline.normalization(config.data, info["channels"])
   if config.task == "mae":
     return tasks.MAETask(model, mean=mean, std=std)
+  if config.task == "finetune":
+    return tasks.FinetuneTask(model, config.mixup, mean=mean, std=std)
   return tasks.SiTTask(model, config.transport.to_dict(), config.sample, mean=mean, std=std)
 
 
@@ -91,11 +94,14 @@ def _check_finite(history, step: int, ckpts) -> None:
           "lower the learning rate or use float32 and resume from it.")
 
 
-def check_config(config):
-  """Every check that needs no compilation; raises a one-line ValueError. Returns the pieces."""
+def check_config(config, pretrained_model=None):
+  """Every check that needs no compilation; raises a one-line ValueError. Returns the pieces.
+
+  ``pretrained_model``: the MAE a fine-tuning run starts from (``pretrained.load``).
+  """
   config_lib.validate(config)
   info = pipeline.dataset_info(config.data)
-  model = factory.build_model(config, info)
+  model = factory.build_model(config, info, pretrained_model)
   mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp)
   shd.check_batch(config.batch_size, mesh, config.accum_steps)
   return info, model, mesh
@@ -111,7 +117,12 @@ def train_and_evaluate(config, workdir: str,
   # ---------------------------------------------------------------------------------------------
   # Validate everything before compiling anything.
   # ---------------------------------------------------------------------------------------------
-  info, model, mesh = check_config(config)
+  start_from = None  # fine-tuning: (pre-trained MAE, its parameters)
+  if config.task == "finetune" and config.init_from:
+    config_lib.validate(config)
+    start_from = pretrained.load(config.init_from,
+                                 shd.make_mesh(config.mesh.data, config.mesh.fsdp))
+  info, model, mesh = check_config(config, start_from[0] if start_from else None)
   task = make_task(config, model, info)
   total_steps, warmup_steps = config_lib.steps_for(config, info["num_train"])
   evaluators = evaluation.make(config, model, mesh, evaluators)
@@ -132,7 +143,13 @@ def train_and_evaluate(config, workdir: str,
   # ---------------------------------------------------------------------------------------------
   # Optimiser, train state (born sharded), checkpoints.
   # ---------------------------------------------------------------------------------------------
-  tx, schedule = optim.make_optimizer(config.optim, config.batch_size, total_steps, warmup_steps)
+  if config.task == "finetune":  # layer-wise lr decay over the classifier's parameter names
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *task.init_inputs(1))["params"])
+    tx, schedule = finetune_optim.from_config(config.optim, config.batch_size, total_steps,
+                                              warmup_steps, shapes, model.depth)
+  else:
+    tx, schedule = optim.make_optimizer(config.optim, config.batch_size, total_steps,
+                                        warmup_steps)
   use_ema = config.ema_decay > 0
   abstract = step_lib.abstract_state(task, tx, config.seed, use_ema)
   shardings = step_lib.state_shardings(abstract, tx, mesh)
@@ -148,6 +165,12 @@ def train_and_evaluate(config, workdir: str,
     start, meta = 0, {}
     state = jax.jit(lambda: step_lib.init_state(task, tx, config.seed, use_ema),
                     out_shardings=shardings)()
+    if start_from is not None:  # the encoder of pre-training; fc_norm and head stay fresh
+      params = vit.init_from_mae(model, *start_from, jax.random.key(config.seed))
+      state["params"] = jax.device_put(params, shardings["params"])
+      logging.info("initialised from %s: patch_embed, cls_token, pos_embed and %d blocks "
+                   "(alpha_min %s); fc_norm and head fresh", config.init_from, model.depth,
+                   model.alpha_min)
 
   # ---------------------------------------------------------------------------------------------
   # Input and the compiled step.
@@ -248,6 +271,10 @@ def train_and_evaluate(config, workdir: str,
     ckpts.close()
     writer.flush()
   results["preempted"] = preempted
+  if config.task == "finetune" and is_main:  # upstream logs the best epoch beside the last
+    curve = writers.read_scalars(workdir, "accuracy/top1")
+    if curve:
+      results["accuracy/top1_best"] = max(v for _, v in curve)
   if is_main:
     paths.write_json(paths.join(workdir, "results.json"), results)
   return results
