@@ -113,6 +113,9 @@ def main(argv):
         preset=None if _CONFIG.value is not None else _PRESET.value, dtype=_DTYPE.value,
         remat=_REMAT.value))
     config_lib.validate(config)
+    if _TORCH.value and config.task not in ("mae", "sit"):
+      raise ValueError(f"--torch is not allowed with task={config.task!r}; the PyTorch reference "
+                       "times MAE and SiT pre-training")
     mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp)
     batch = _BATCH.value * mesh.size if _BATCH.value else config.batch_size
     shd.check_batch(batch, mesh, config.accum_steps)

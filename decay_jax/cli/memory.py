@@ -30,7 +30,6 @@ import time
 from typing import Any, Dict, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import flags
 from ml_collections import config_flags
@@ -38,9 +37,8 @@ from ml_collections import config_flags
 from decay_jax import paths
 from decay_jax import sharding as shd
 from decay_jax.cli import errors
-from decay_jax.data import pipeline
 from decay_jax.models import factory, layers
-from decay_jax.train import optim, tasks
+from decay_jax.train import export, trainer
 from decay_jax.train import config as config_lib
 from decay_jax.train import step as step_lib
 
@@ -55,27 +53,19 @@ HEADROOM = 0.9
 def build(config, batch: int, channels: int = 0):
   """``(model, task, tx, schedule)`` of a config without reading its dataset (shape only).
 
-  ``channels``: input channels (0: the dataset's for in-memory data, else 3 for MAE, 4 for SiT).
+  ``channels``: input channels (0: the dataset's for in-memory data, else 3, or 4 for SiT).
+  The task and the optimiser are the trainer's (``trainer.make_task``, ``trainer.make_optimizer``).
   """
-  channels = channels or (3 if config.task == "mae" else 4)
-  if config.data.dataset == "embedded_mnist" or config.data.dataset.startswith("npz:"):
-    channels = pipeline.dataset_info(config.data)["channels"]  # cheap for in-memory data
-  info = {"image_size": config.data.image_size, "channels": channels, "num_train": batch * 1000}
+  info = dict(export.data_info(config, channels), num_train=batch * 1000)
   model = factory.build_model(config, info)
-  task = (tasks.MAETask if config.task == "mae" else tasks.SiTTask)(model)
-  tx, schedule = optim.make_optimizer(config.optim, batch, 1000, 10)
+  task = trainer.make_task(config, model, info)
+  tx, schedule = trainer.make_optimizer(config, task, 1000, 10)
   return model, task, tx, schedule
 
 
 def abstract_batch(model, config, batch: int, mesh):
   """The input batch as ``ShapeDtypeStruct``s split over the mesh: image (B, H, W, C), label (B,)."""
-  s = shd.batch_sharding(mesh)
-  if config.task == "mae":
-    shape = (batch, model.img_size, model.img_size, model.in_chans)
-  else:
-    shape = (batch, model.input_size, model.input_size, model.in_channels)
-  return {"image": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s),
-          "label": jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=s)}
+  return export.abstract_batch(model, config.task, batch, mesh)
 
 
 def memory_report(compiled) -> dict:

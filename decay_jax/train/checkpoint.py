@@ -216,7 +216,8 @@ def run_config(workdir: str, task: Optional[str] = None):
   if task is not None and saved.get("task") != task:
     raise ValueError(f"workdir={workdir!r} is not allowed; its task is {saved.get('task')!r}, "
                      f"this command needs {task!r}")
-  base = config_lib.mae_config() if saved.get("task") == "mae" else config_lib.sit_config()
+  defaults = {"mae": config_lib.mae_config, "finetune": config_lib.finetune_config}
+  base = defaults.get(saved.get("task"), config_lib.sit_config)()
   _overlay(base, saved)
   return ml_collections.ConfigDict(base.to_dict())
 

@@ -10,7 +10,7 @@ program of any config lowers on a laptop CPU, sharding annotations included:
     text = exported.mlir_module()      # StableHLO with sdy.sharding on every argument
 
 The programs are the ones that run: ``train_program`` builds the step exactly as
-``decay_jax.train.trainer`` does (``trainer.make_task``, ``optim.make_optimizer``,
+``decay_jax.train.trainer`` does (``trainer.make_task``, ``trainer.make_optimizer``,
 ``step.make_train_step`` jitted by ``step.jit_train_step`` with the state's FSDP shardings, the
 batch split over all devices and the state donated), and ``sample_program`` jits
 ``SiTTask.sample`` with the shardings of ``decay_jax.cli.sample``. The arguments are
@@ -33,7 +33,7 @@ from decay_jax import validate
 from decay_jax.data import pipeline
 from decay_jax.models import factory
 from decay_jax.train import config as config_lib
-from decay_jax.train import optim, trainer
+from decay_jax.train import trainer
 from decay_jax.train import step as step_lib
 
 # The platform names ``jax.export`` lowers for.
@@ -93,17 +93,18 @@ def data_info(config, channels: int = 0) -> Dict[str, int]:
 
   Args:
     config: a training config.
-    channels: input channels of a dataset that is not read (0: 3 for MAE, 4 for SiT latents).
+    channels: input channels of a dataset that is not read (0: 4 for SiT latents, else 3).
 
   Returns:
-    ``{'image_size', 'channels', 'num_train'}`` (``num_train``: ``STANDIN_NUM_TRAIN`` if unread).
+    ``{'image_size', 'channels', 'num_train', 'num_classes'}`` (``num_train``:
+    ``STANDIN_NUM_TRAIN``, ``num_classes``: ImageNet's 1000 if unread).
   """
   dataset = config.data.dataset
   if dataset == pipeline.EMBEDDED_MNIST or dataset.startswith(pipeline.NPZ_PREFIX):
     return pipeline.dataset_info(config.data)  # cheap: the arrays' header and labels
   return {"image_size": config.data.image_size,
-          "channels": channels or (3 if config.task == "mae" else 4),
-          "num_train": STANDIN_NUM_TRAIN}
+          "channels": channels or (4 if config.task == "sit" else 3),
+          "num_train": STANDIN_NUM_TRAIN, "num_classes": 1000}
 
 
 def abstract_batch(model, task_name: str, batch: int, mesh) -> Dict[str, jax.ShapeDtypeStruct]:
@@ -113,10 +114,10 @@ def abstract_batch(model, task_name: str, batch: int, mesh) -> Dict[str, jax.Sha
     ``{'image': (B, H, W, C) float32, 'label': (B,) int32}`` with ``sharding.batch_sharding``.
   """
   s = shd.batch_sharding(mesh)
-  if task_name == "mae":
-    shape = (batch, model.img_size, model.img_size, model.in_chans)
-  else:
+  if task_name == "sit":
     shape = (batch, model.input_size, model.input_size, model.in_channels)
+  else:
+    shape = (batch, model.img_size, model.img_size, model.in_chans)
   return {"image": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s),
           "label": jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=s)}
 
@@ -149,7 +150,7 @@ def train_program(config, mesh, channels: int = 0) -> Program:
   """
   info, model, task = _model_and_task(config, mesh, channels)
   total_steps, warmup_steps = config_lib.steps_for(config, info["num_train"])
-  tx, schedule = optim.make_optimizer(config.optim, config.batch_size, total_steps, warmup_steps)
+  tx, schedule = trainer.make_optimizer(config, task, total_steps, warmup_steps)
   abstract = step_lib.abstract_state(task, tx, config.seed, config.ema_decay > 0)
   shardings = step_lib.state_shardings(abstract, tx, mesh)
   fn = step_lib.jit_train_step(

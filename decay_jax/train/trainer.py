@@ -43,6 +43,17 @@ def make_task(config, model, info):
   return tasks.SiTTask(model, config.transport.to_dict(), config.sample, mean=mean, std=std)
 
 
+def make_optimizer(config, task, total_steps: int, warmup_steps: int):
+  """``(optax transformation, lr schedule)`` of a config: pre-training's AdamW, or fine-tuning's
+  layer-wise lr decay over the classifier's parameter names (``finetune_optim``)."""
+  if config.task == "finetune":
+    model = task.model
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *task.init_inputs(1))["params"])
+    return finetune_optim.from_config(config.optim, config.batch_size, total_steps, warmup_steps,
+                                      shapes, model.depth)
+  return optim.make_optimizer(config.optim, config.batch_size, total_steps, warmup_steps)
+
+
 class _Preemption:
   """SIGTERM sets a flag; the loop saves a checkpoint at the next step boundary and stops.
 
@@ -143,13 +154,7 @@ def train_and_evaluate(config, workdir: str,
   # ---------------------------------------------------------------------------------------------
   # Optimiser, train state (born sharded), checkpoints.
   # ---------------------------------------------------------------------------------------------
-  if config.task == "finetune":  # layer-wise lr decay over the classifier's parameter names
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *task.init_inputs(1))["params"])
-    tx, schedule = finetune_optim.from_config(config.optim, config.batch_size, total_steps,
-                                              warmup_steps, shapes, model.depth)
-  else:
-    tx, schedule = optim.make_optimizer(config.optim, config.batch_size, total_steps,
-                                        warmup_steps)
+  tx, schedule = make_optimizer(config, task, total_steps, warmup_steps)
   use_ema = config.ema_decay > 0
   abstract = step_lib.abstract_state(task, tx, config.seed, use_ema)
   shardings = step_lib.state_shardings(abstract, tx, mesh)
