@@ -10,10 +10,10 @@ Expected result: not measured yet (top-1 on the 2,000 embedded test digits, in r
   accuracy/top1 and accuracy/top1_best).
 
 The recipe is upstream's ViT-B/16 one with laptop sizes: AdamW (0.9, 0.999), weight decay 0.05,
-layer decay 0.75 over the demo encoder's 6 blocks, drop path 0.1, Mixup 0.8 / CutMix 1.0 in groups
-of 32 with label smoothing 0.1, warmup then cosine to 1e-6; 2 epochs of 10,000 digits at batch 128
-and lr 1e-3 instead of 100 epochs at 1024 and 2e-3. The training augmentation is the demo's crop
-(scale 0.5-1) and flip; RandAugment and random erasing are not in the pipeline yet.
+layer decay 0.75 over the demo encoder's 6 blocks, drop path 0.1, RandAugment m9 (grey fill 128),
+random erasing 0.25, Mixup 0.8 / CutMix 1.0 in groups of 32 with label smoothing 0.1, warmup then
+cosine to 1e-6; 2 epochs of 10,000 digits at batch 128 and lr 1e-3 instead of 100 epochs at 1024
+and 2e-3; the demo's crop scale (0.5-1) instead of (0.08-1), as for its pre-training.
 """
 
 from decay_jax.train import config as config_lib

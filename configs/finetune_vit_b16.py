@@ -10,7 +10,6 @@ Hardware: 32+ GPUs or TPU chips (bfloat16 compute); fewer with --config.accum_st
 Expected time: not measured by us; about 7 h on 32 V100 for upstream's run.
 Expected result (not reproduced here): top-1 83.6 for upstream MAE (standard residuals); the
   paper reports 83.6 standard and 82.9 decayed.
-Not yet in the pipeline: RandAugment and random erasing (docs/finetune.md, "Status").
 """
 
 from decay_jax.train import config as config_lib

@@ -9,7 +9,6 @@ Command (PRE: a pre-training workdir of configs/mae_vit_h14.py, or a params dire
 Hardware: 32+ GPUs or TPU chips (bfloat16 compute); fewer with --config.accum_steps.
 Expected time: not measured by us; about 13 h on 64 V100 for upstream's run.
 Expected result (not reproduced here): top-1 86.9 (upstream MAE, standard residuals).
-Not yet in the pipeline: RandAugment and random erasing (docs/finetune.md, "Status").
 """
 
 from decay_jax.train import config as config_lib

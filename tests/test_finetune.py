@@ -379,3 +379,24 @@ def test_init_from_anything_else_is_one_line(finetuned, tmp_path):
                                        "the pre-trained encoder takes 1"):
     from decay_jax.models import factory
     factory.build_model(rgb, {"image_size": 16, "channels": 3, "num_classes": 10}, mae_model)
+
+
+def test_random_erasing_rate_area_and_noise():
+  from decay_jax.data import mixup
+  n, h, w = 10000, 16, 16
+  images = jnp.full((n, h, w, 1), 7.0)
+  out = np.asarray(mixup.random_erasing(jax.random.key(0), images))
+  erased = (out != 7.0)[..., 0]
+  frac = erased.mean(axis=(1, 2))
+  hit = frac > 0
+  assert hit.mean() == pytest.approx(0.25, abs=0.015)
+  # Each erased region is one box of 2%..33% of the image (up to the rounding of its sides).
+  assert frac[hit].min() >= 0.02 * 0.6 and frac[hit].max() <= 1 / 3 * 1.4
+  for i in np.nonzero(hit)[0][:50]:
+    rows, cols = np.nonzero(erased[i])
+    box = erased[i, rows.min():rows.max() + 1, cols.min():cols.max() + 1]
+    assert box.all() and erased[i].sum() == box.size
+  noise = out[hit][erased[hit]]
+  assert abs(noise.mean()) < 0.02 and noise.std() == pytest.approx(1.0, abs=0.02)
+  none = np.asarray(mixup.random_erasing(jax.random.key(1), images, prob=0.0))
+  np.testing.assert_array_equal(none, images)

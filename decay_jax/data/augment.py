@@ -18,6 +18,7 @@ from PIL import Image
 
 from decay_jax import validate
 from decay_jax.data import config
+from decay_jax.data import randaugment
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -118,6 +119,24 @@ def eval_resize_one(image: np.ndarray, size: int, mode: str) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------------
 # Per-example draws.
+
+
+def example_rng(position: int, seed: int, stream: int) -> np.random.Generator:
+  """A generator of one example's draws in ``stream``, from (seed, stream, global position)."""
+  return np.random.default_rng([seed_words(seed), int(stream), int(position)])
+
+
+def rand_augment_one(image: np.ndarray, normalize: str, params: dict,
+                     rng: np.random.Generator) -> np.ndarray:
+  """RandAugment (``randaugment.rand_augment`` with ``params``) of one uint8 (S, S, C) image; the
+  geometric ops fill with the normalisation mean (timm's ``img_mean``)."""
+  channels = image.shape[-1]
+  mean, _ = normalization(ml_collections.ConfigDict({"normalize": normalize}), channels)
+  planes = _to_pil_planes(image)
+  if len(planes) > 1:  # neither grey nor RGB: one plane at a time, one draw for all
+    raise ValueError(f"rand_augment needs 1 or 3 channels; the images have {channels}")
+  out = randaugment.rand_augment(planes[0], rng, randaugment.fill_color(mean), **params)
+  return _from_pil_planes([out], channels)
 
 
 def example_uniforms(position: int, seed: int) -> np.ndarray:

@@ -37,6 +37,8 @@ Everything is driven by one ``ml_collections.ConfigDict`` (start from ``default_
 
 from __future__ import annotations
 
+import re
+
 import os
 from typing import Optional
 
@@ -57,7 +59,10 @@ EMBEDDED_NPZ = os.path.join(EMBEDDED_DIR, "mnist_10k.npz")
 # The fields check_fields reads (its memory, ``validate.check_once``, is keyed by their values).
 _CHECKED_FIELDS = ("image_size", "crop_scale", "crop_ratio", "flip", "normalize", "eval_resize",
                    "max_eval_examples", "dataset", "channels", "num_workers", "num_threads",
-                   "prefetch")
+                   "prefetch", "rand_augment")
+# timm's RandAugment spec string: 'rand-m<magnitude>[-mstd<std>][-n<ops>]-inc1' (the increasing ops).
+_RAND_AUGMENT = re.compile(r"^rand(?:-m(?P<m>\d+(?:\.\d+)?)|-mstd(?P<mstd>\d+(?:\.\d+)?)"
+                           r"|-n(?P<n>\d+)|-inc(?P<inc>1))+$")
 
 
 def default_data_config() -> ml_collections.ConfigDict:
@@ -84,6 +89,9 @@ def default_data_config() -> ml_collections.ConfigDict:
       "prefetch": 2,
       "max_eval_examples": ml_collections.FieldReference(None, field_type=int),
       "eval_resize": "resize_crop",
+      # '' (none) or timm's RandAugment string, e.g. fine-tuning's 'rand-m9-mstd0.5-inc1'; applied
+      # after the crop and flip (data/randaugment.py).
+      "rand_augment": "",
   })
 
 
@@ -114,6 +122,25 @@ def _check_fields_uncached(cfg: ml_collections.ConfigDict) -> None:
                                "it must be None or an integer >= 1")
   if not isinstance(cfg.dataset, str):
     raise validate.not_allowed("dataset", cfg.dataset, "it must be a string")
+  rand_augment_params(cfg.get("rand_augment", ""))
+
+
+def rand_augment_params(spec: str) -> Optional[dict]:
+  """``{'num_ops', 'magnitude', 'magnitude_std'}`` of a RandAugment string; None for ''."""
+  if not spec:
+    return None
+  parts = {}
+  for token in str(spec).split("-")[1:]:
+    for key in ("mstd", "m", "n", "inc"):
+      if token.startswith(key) and token[len(key):].replace(".", "", 1).isdigit():
+        parts[key] = token[len(key):]
+        break
+  if (not isinstance(spec, str) or not _RAND_AUGMENT.match(spec) or parts.get("inc") != "1"
+      or "m" not in parts):
+    raise validate.not_allowed("rand_augment", spec, "give '' or timm's 'rand-m<magnitude>"
+                               "[-mstd<std>][-n<ops>]-inc1', e.g. 'rand-m9-mstd0.5-inc1'")
+  return {"num_ops": int(parts.get("n", 2)), "magnitude": float(parts["m"]),
+          "magnitude_std": float(parts.get("mstd", 0.0))}
 
 
 def check_fields(cfg: ml_collections.ConfigDict) -> None:

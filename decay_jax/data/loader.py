@@ -37,12 +37,15 @@ from absl import flags
 import numpy as np
 
 from decay_jax.data import augment
+from decay_jax.data import config as data_config
 
 # MapDataset needs a length: a stream this long never ends in practice (2**48 examples).
 _ENDLESS = 1 << 48
-# Independent SeedSequence streams derived from the user seed (image order, image augmentation).
+# Independent SeedSequence streams derived from the user seed (image order, crop and flip,
+# RandAugment).
 IMAGE_ORDER_STREAM = 0
 IMAGE_AUGMENT_STREAM = 1
+RAND_AUGMENT_STREAM = 2
 _EVAL_CHUNK = 256
 
 
@@ -97,25 +100,31 @@ class AugmentSpec:
   flip: bool
   normalize: str
   eval_resize: str
+  rand_augment: str = ""
 
   @classmethod
   def of(cls, cfg) -> "AugmentSpec":
     return cls(int(cfg.image_size), tuple(cfg.crop_scale), tuple(cfg.crop_ratio), bool(cfg.flip),
-               str(cfg.normalize), str(cfg.eval_resize))
+               str(cfg.normalize), str(cfg.eval_resize), str(cfg.get("rand_augment", "")))
 
 
 class ImageTrainExample:
-  """``j -> {'image': uint8 (S, S, C), 'label': int32}``: MAE's crop and flip of one record."""
+  """``j -> {'image': uint8 (S, S, C), 'label': int32}``: MAE's crop and flip of one record, then
+  RandAugment where ``spec.rand_augment`` asks for it (its draws seeded by seed and position)."""
 
   def __init__(self, records, layout: Layout, seed: int, spec: AugmentSpec):
     self.records, self.layout, self.spec, self.seed = records, layout, spec, seed
     self.order = EpochOrder(seed, len(records), IMAGE_ORDER_STREAM)
+    self.rand_augment = data_config.rand_augment_params(spec.rand_augment)
 
   def __call__(self, j: int) -> Dict[str, np.ndarray]:
     position = self.layout.position(j)
     image, label = self.records[self.order(position)]
     uniforms = augment.example_uniforms(position, self.seed)
     out = augment.augment_batch(image[None], uniforms[None], self.spec.image_size, self.spec)[0]
+    if self.rand_augment is not None:
+      out = augment.rand_augment_one(out, self.spec.normalize, self.rand_augment,
+                                     augment.example_rng(position, self.seed, RAND_AUGMENT_STREAM))
     return {"image": out, "label": np.int32(label)}
 
 

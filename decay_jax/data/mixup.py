@@ -1,5 +1,6 @@
-"""Mixup / CutMix with label smoothing, on device, as timm's ``Mixup(mode='batch')`` that upstream
-MAE fine-tuning applies to every per-GPU batch (docs/finetune.md, "Recipe").
+"""Fine-tuning's on-device batch augmentation (docs/finetune.md, "Recipe"): timm's random erasing
+(``random_erasing``) and Mixup / CutMix with label smoothing as timm's ``Mixup(mode='batch')``,
+which upstream MAE applies to every per-GPU batch.
 
 The batch is cut into groups of ``group`` consecutive examples (upstream: one GPU's 32); each group
 draws its own switch (CutMix with probability ``switch_prob``, else Mixup), its own
@@ -82,3 +83,33 @@ def mixup_cutmix(rng, images, labels, num_classes: int, group: int = 32,
 def soft_cross_entropy(logits, targets):
   """timm ``SoftTargetCrossEntropy``: batch mean of ``sum_k -t_k log_softmax(z)_k``."""
   return jnp.mean(jnp.sum(-targets * jax.nn.log_softmax(logits.astype(jnp.float32)), axis=-1))
+
+
+def random_erasing(rng, images, prob: float = 0.25, area=(0.02, 1.0 / 3.0), aspect=(0.3, 1 / 0.3),
+                   tries: int = 10):
+  """timm ``RandomErasing(p, mode='pixel', count 1)`` on normalised images ``(N, H, W, C)``, per
+  example: with probability ``prob``, up to ``tries`` boxes of area ``U(area) x H W`` and aspect
+  ``exp(U(log aspect))`` (``h = round(sqrt(area x aspect))``, ``w = round(sqrt(area / aspect))``);
+  the first with ``h < H`` and ``w < W`` is placed uniformly and filled with N(0, 1) noise per
+  pixel and channel; when none fits nothing is erased."""
+  n, h, w, c = images.shape
+  k_apply, k_area, k_aspect, k_top, k_left, k_noise = jax.random.split(rng, 6)
+  erase = jax.random.uniform(k_apply, (n,)) <= prob
+  target = jax.random.uniform(k_area, (n, tries), minval=area[0], maxval=area[1]) * (h * w)
+  ratio = jnp.exp(jax.random.uniform(k_aspect, (n, tries), minval=jnp.log(aspect[0]),
+                                     maxval=jnp.log(aspect[1])))
+  bh = jnp.round(jnp.sqrt(target * ratio)).astype(jnp.int32)
+  bw = jnp.round(jnp.sqrt(target / ratio)).astype(jnp.int32)
+  fits = (bh < h) & (bw < w)
+  first = jnp.argmax(fits, axis=1)
+  bh = jnp.take_along_axis(bh, first[:, None], 1)[:, 0]
+  bw = jnp.take_along_axis(bw, first[:, None], 1)[:, 0]
+  erase = erase & fits.any(axis=1)
+  top = jnp.floor(jax.random.uniform(k_top, (n,)) * (h - bh + 1)).astype(jnp.int32)
+  left = jnp.floor(jax.random.uniform(k_left, (n,)) * (w - bw + 1)).astype(jnp.int32)
+  rows = jnp.arange(h)[None, :, None]
+  cols = jnp.arange(w)[None, None, :]
+  box = ((rows >= top[:, None, None]) & (rows < (top + bh)[:, None, None])
+         & (cols >= left[:, None, None]) & (cols < (left + bw)[:, None, None]) & erase[:, None, None])
+  noise = jax.random.normal(k_noise, images.shape, jnp.float32).astype(images.dtype)
+  return jnp.where(box[..., None], noise, images)

@@ -105,6 +105,8 @@ def finetune_config() -> mlc.ConfigDict:
   c.data.image_size = 224
   c.data.normalize = "imagenet"
   c.data.eval_split = "validation"
+  c.data.crop_scale = (0.08, 1.0)  # timm's RandomResizedCrop default
+  c.data.rand_augment = "rand-m9-mstd0.5-inc1"
   c.batch_size = 1024
   c.num_epochs = 100.0
   c.warmup_epochs = 5.0
@@ -114,9 +116,10 @@ def finetune_config() -> mlc.ConfigDict:
                                 schedule="warmup_cosine", b1=0.9, b2=0.999, eps=1e-8,
                                 weight_decay=0.05, min_lr=1e-6, grad_clip_norm=0.0,
                                 layer_decay=0.65))
-  # timm's Mixup as upstream calls it per 32-example GPU batch (data/mixup.py).
-  c.mixup = mlc.ConfigDict(dict(mixup_alpha=0.8, cutmix_alpha=1.0, switch_prob=0.5,
-                                smoothing=0.1, group=32))
+  # On device (data/mixup.py): random erasing per example, then timm's Mixup as upstream calls
+  # it per 32-example GPU batch.
+  c.mixup = mlc.ConfigDict(dict(erase_prob=0.25, mixup_alpha=0.8, cutmix_alpha=1.0,
+                                switch_prob=0.5, smoothing=0.1, group=32))
   c.evals.accuracy = mlc.ConfigDict(dict(enabled=True, every_steps=1251, eval_split="validation",
                                          max_eval_examples=0, batch_size=256))
   return c
@@ -205,6 +208,7 @@ def validate(config) -> None:
           "mixup.group", config.mixup.group,
           f"it must divide the microbatch batch_size / accum_steps = {micro}")
     validate_lib.check_range("mixup.smoothing", config.mixup.smoothing, 0.0, 1.0, high_open=True)
+    validate_lib.check_range("mixup.erase_prob", config.mixup.erase_prob, 0.0, 1.0)
 
 
 def override(config, **overrides):

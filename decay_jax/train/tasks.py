@@ -92,8 +92,9 @@ class MAETask:
 
 
 class FinetuneTask:
-  """End-to-end fine-tuning (docs/finetune.md): Mixup/CutMix with label smoothing per group of
-  ``mixup_cfg.group`` examples, drop path, soft-target cross-entropy on the classifier's logits."""
+  """End-to-end fine-tuning (docs/finetune.md): random erasing per example (``erase_prob``), then
+  Mixup/CutMix with label smoothing per group of ``mixup_cfg.group`` examples, drop path, and the
+  soft-target cross-entropy of the classifier's logits. (RandAugment runs on the host.)"""
   name = "finetune"
   picture_needs_batch = True  # the mixed training inputs of fixed evaluation images
   picture_name = "mixed_inputs"
@@ -115,8 +116,11 @@ class FinetuneTask:
                               switch_prob=c.switch_prob, smoothing=c.smoothing)
 
   def loss(self, params, batch, rng):
-    k_mix, k_drop = jax.random.split(rng)
-    images, targets = self.mix(batch["image"], batch["label"], k_mix)
+    k_erase, k_mix, k_drop = jax.random.split(rng, 3)
+    images = batch["image"]
+    if self.mixup_cfg.erase_prob > 0:
+      images = mixup.random_erasing(k_erase, images, self.mixup_cfg.erase_prob)
+    images, targets = self.mix(images, batch["label"], k_mix)
     logits = self.train_model.apply({"params": params}, images, rngs={"dropout": k_drop})
     loss = mixup.soft_cross_entropy(logits, targets)
     return loss, {"loss": loss}
