@@ -400,3 +400,20 @@ def test_random_erasing_rate_area_and_noise():
   assert abs(noise.mean()) < 0.02 and noise.std() == pytest.approx(1.0, abs=0.02)
   none = np.asarray(mixup.random_erasing(jax.random.key(1), images, prob=0.0))
   np.testing.assert_array_equal(none, images)
+
+
+def test_an_alpha_of_zero_turns_that_mode_off():
+  from decay_jax.data import mixup
+  x = jax.random.normal(jax.random.key(0), (64, 8, 8, 1))
+  y = jnp.arange(64) % 4
+  same, t = mixup.mixup_cutmix(jax.random.key(1), x, y, 4, group=2, mixup_alpha=0.0,
+                               cutmix_alpha=0.0, smoothing=0.0)
+  np.testing.assert_array_equal(same, x)
+  np.testing.assert_array_equal(t, jax.nn.one_hot(y, 4))
+  # Mixup only: every group blends (no image keeps a pixel of its own exactly, no box).
+  blended, _ = mixup.mixup_cutmix(jax.random.key(2), x, y, 4, group=2, cutmix_alpha=0.0)
+  assert not np.any(np.isclose(np.asarray(blended), np.asarray(x)).all(axis=(1, 2, 3)))
+  # CutMix only: every pixel is its own or its partner's.
+  cut, _ = mixup.mixup_cutmix(jax.random.key(3), x, y, 4, group=2, mixup_alpha=0.0)
+  partner = np.asarray(x).reshape(32, 2, 8, 8, 1)[:, ::-1].reshape(64, 8, 8, 1)
+  assert np.all((np.asarray(cut) == np.asarray(x)) | (np.asarray(cut) == partner))

@@ -62,18 +62,27 @@ def mix_group(images, targets, lam, use_cutmix, cy, cx):
 def mixup_cutmix(rng, images, labels, num_classes: int, group: int = 32,
                  mixup_alpha: float = 0.8, cutmix_alpha: float = 1.0, switch_prob: float = 0.5,
                  smoothing: float = 0.1):
-  """Mixed images ``(N, H, W, C)`` and soft targets ``(N, K)``, one draw per group of ``group``."""
+  """Mixed images ``(N, H, W, C)`` and soft targets ``(N, K)``, one draw per group of ``group``.
+
+  As timm: an alpha of 0 turns that mode off (the other one always runs); both 0 mix nothing and
+  only smooth the labels.
+  """
   n, h, w, c = images.shape
   if n % group:
     raise ValueError(f"batch {n} is not allowed; it must be a multiple of the mixup group {group}")
+  targets = smooth_one_hot(labels, num_classes, smoothing)
+  if mixup_alpha <= 0 and cutmix_alpha <= 0:
+    return images, targets
   groups = n // group
   k_switch, k_cut, k_mix, k_y, k_x = jax.random.split(rng, 5)
-  use_cutmix = jax.random.uniform(k_switch, (groups,)) < switch_prob
-  lam = jnp.where(use_cutmix, jax.random.beta(k_cut, cutmix_alpha, cutmix_alpha, (groups,)),
-                  jax.random.beta(k_mix, mixup_alpha, mixup_alpha, (groups,)))
+  if mixup_alpha <= 0 or cutmix_alpha <= 0:
+    use_cutmix = jnp.full((groups,), cutmix_alpha > 0)
+  else:
+    use_cutmix = jax.random.uniform(k_switch, (groups,)) < switch_prob
+  beta = lambda key, a: jax.random.beta(key, a, a, (groups,)) if a > 0 else jnp.ones((groups,))
+  lam = jnp.where(use_cutmix, beta(k_cut, cutmix_alpha), beta(k_mix, mixup_alpha))
   cy = jax.random.randint(k_y, (groups,), 0, h)
   cx = jax.random.randint(k_x, (groups,), 0, w)
-  targets = smooth_one_hot(labels, num_classes, smoothing)
   mixed, soft = jax.vmap(mix_group)(images.reshape(groups, group, h, w, c),
                                      targets.reshape(groups, group, num_classes),
                                      lam, use_cutmix, cy, cx)
