@@ -417,3 +417,35 @@ def test_an_alpha_of_zero_turns_that_mode_off():
   cut, _ = mixup.mixup_cutmix(jax.random.key(3), x, y, 4, group=2, mixup_alpha=0.0)
   partner = np.asarray(x).reshape(32, 2, 8, 8, 1)[:, ::-1].reshape(64, 8, 8, 1)
   assert np.all((np.asarray(cut) == np.asarray(x)) | (np.asarray(cut) == partner))
+
+
+def test_an_official_decayed_checkpoint_loads_its_encoder_only():
+  """The spec's loading check on an official-layout state_dict (skip.*, decoder_*, no norm):
+  converted (``decay_jax.convert mae`` does this), then the classifier takes exactly the encoder
+  (4 + 12 x depth tensors), the schedule of ``min_decay``, and starts fc_norm and head fresh."""
+  import torch_reference as ref
+  kw = dict(img_size=16, patch_size=4, in_chans=3, embed_dim=32, depth=4, num_heads=2,
+            decoder_embed_dim=16, decoder_depth=3, decoder_num_heads=2, min_decay=0.6)
+  torch.manual_seed(0)
+  sd = ref.randomize_(ref.MaskedAutoencoderViT(**kw), seed=1, scale=0.1).state_dict()
+  assert any(k.startswith("skip.") for k in sd) and any(k.startswith("decoder_") for k in sd)
+  assert not any(k.startswith("norm.") for k in sd)
+  mae = mae_lib.MaskedAutoencoder(img_size=16, patch_size=4, dim=32, depth=4, num_heads=2,
+                                  decoder_dim=16, decoder_depth=3, decoder_num_heads=2,
+                                  alpha_min=0.6)
+  mae_params, _ = convert.mae_from_torch(sd, mae)
+  model = vit.from_mae(mae, num_classes=10, drop_path=0.1)
+  params = vit.init_from_mae(model, mae, mae_params, jax.random.key(0))
+  loaded = by_torch_name(model, params)
+  as_torch = convert.to_torch(params, convert.vit_rules(model))  # torch layout, torch names
+  encoder = [k for k in loaded if k == "cls_token" or k.startswith(("patch_embed.", "blocks."))]
+  assert len(encoder) + 1 == 4 + 12 * 4  # + pos_embed, the checkpoint's sin-cos table
+  for k in encoder:
+    np.testing.assert_array_equal(as_torch[k], sd[k].numpy(), err_msg=k)
+  np.testing.assert_allclose(loaded["pos_embed"], sd["pos_embed"].numpy(), atol=1e-6)
+  np.testing.assert_array_equal(loaded["fc_norm.weight"], 1.0)
+  np.testing.assert_array_equal(loaded["fc_norm.bias"], 0.0)
+  np.testing.assert_array_equal(loaded["head.bias"], 0.0)
+  assert 0 < np.abs(loaded["head.weight"]).max() < 2e-4
+  np.testing.assert_allclose(model.shortcuts.alphas, 1 - np.linspace(0, 1, 8).reshape(4, 2) * 0.4,
+                             rtol=1e-6)
