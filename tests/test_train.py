@@ -145,13 +145,14 @@ def test_every_config_builds_and_initialises_abstractly(path):
   assert mod.__doc__ and "Command" in mod.__doc__ and "Expected" in mod.__doc__
   config_lib.validate(c)
   channels = 1 if "mnist" in path else 4 if c.data.dataset.startswith("latents:") else 3
-  info = {"image_size": c.data.image_size, "channels": channels, "num_train": 1_281_167}
+  info = {"image_size": c.data.image_size, "channels": channels, "num_train": 1_281_167,
+          "num_classes": 10 if "mnist" in path else 1000}
   model = factory.build_model(c, info)
   mesh = shd.make_mesh(c.mesh.data, c.mesh.fsdp)
   shd.check_batch(c.batch_size, mesh, c.accum_steps)
   task = trainer.make_task(c, model, info)
   total, warm = config_lib.steps_for(c, info["num_train"])
-  tx, sched = optim.make_optimizer(c.optim, c.batch_size, total, warm)
+  tx, sched = trainer.make_optimizer(c, task, total, warm)
   abstract = step_lib.abstract_state(task, tx, c.seed, c.ema_decay > 0)
   step_lib.state_shardings(abstract, tx, mesh)
   n = sum(int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(abstract["params"]))
