@@ -56,14 +56,11 @@ def lr_scales(params, depth: int, layer_decay: float):
 
 
 def weight_decay_mask(params):
-  """True where upstream decays: torch rank >= 2 (a block leaf's layer axis does not count), except
-  ``cls_token`` and ``pos_embed``."""
-  def rule(path, p):
-    name = _top(path)
-    if name in NO_WEIGHT_DECAY:
-      return False
-    return p.ndim - (1 if name == BLOCKS else 0) >= 2
-  return jax.tree_util.tree_map_with_path(rule, params)
+  """True where upstream decays: pre-training's rank rule (``optim.weight_decay_mask``: torch rank
+  >= 2, a block leaf's layer axis not counted) except ``cls_token`` and ``pos_embed``."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, decayed: decayed and _top(path) not in NO_WEIGHT_DECAY,
+      optim.weight_decay_mask(params, stacked=(BLOCKS,)))
 
 
 def scale_per_leaf(scales) -> optax.GradientTransformation:
