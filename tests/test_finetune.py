@@ -30,6 +30,12 @@ def tiny():
   return model, params
 
 
+def fresh_params(model, seed):
+  """The classifier's own initialisation (the trainer's fresh state) at ``seed``."""
+  x = jnp.zeros((1, model.img_size, model.img_size, model.in_chans))
+  return jax.jit(model.init)(jax.random.key(seed), x)["params"]
+
+
 def by_torch_name(model, tree):
   """``{torch name: value}`` of a parameter-shaped tree (block leaves sliced per layer)."""
   flat = {tuple(getattr(k, "key", k) for k in path): v
@@ -168,7 +174,7 @@ def test_init_from_a_pretrained_mae_copies_the_encoder_and_makes_the_head_fresh(
   model = vit.from_mae(mae, num_classes=10, drop_path=0.1)
   assert (model.alpha_min, model.depth, model.dim) == (0.6, 4, 32)
   np.testing.assert_array_equal(model.shortcuts.alphas, mae.shortcuts.alphas)
-  params = vit.init_from_mae(model, mae, mae_params, jax.random.key(1))
+  params = vit.init_from_mae(fresh_params(model, 1), mae, mae_params)
   for name in ("patch_embed", "cls_token", "blocks"):
     for a, b in zip(jax.tree_util.tree_leaves(params[name]),
                     jax.tree_util.tree_leaves(mae_params[name])):
@@ -184,10 +190,10 @@ def test_init_from_a_pretrained_mae_copies_the_encoder_and_makes_the_head_fresh(
   # A classifier whose sizes differ from the checkpoint's is refused in one line.
   other = vit.from_mae(mae, num_classes=10, drop_path=0.1, dim=64, num_heads=4)
   with pytest.raises(ValueError, match="the pre-trained 'patch_embed' does not fit"):
-    vit.init_from_mae(other, mae, mae_params, jax.random.key(1))
+    vit.init_from_mae(fresh_params(other, 1), mae, mae_params)
   # At a larger image size the positions are the pre-training table, interpolated.
   at32 = vit.from_mae(mae, num_classes=10, drop_path=0.1, img_size=32)
-  p32 = vit.init_from_mae(at32, mae, mae_params, jax.random.key(1))
+  p32 = vit.init_from_mae(fresh_params(at32, 1), mae, mae_params)
   np.testing.assert_array_equal(p32["pos_embed"][0], vit.interpolate_pos_embed(mae.pos_embed(), 8))
 
 
@@ -435,7 +441,7 @@ def test_an_official_decayed_checkpoint_loads_its_encoder_only():
                                   alpha_min=0.6)
   mae_params, _ = convert.mae_from_torch(sd, mae)
   model = vit.from_mae(mae, num_classes=10, drop_path=0.1)
-  params = vit.init_from_mae(model, mae, mae_params, jax.random.key(0))
+  params = vit.init_from_mae(fresh_params(model, 0), mae, mae_params)
   loaded = by_torch_name(model, params)
   as_torch = convert.to_torch(params, convert.vit_rules(model))  # torch layout, torch names
   encoder = [k for k in loaded if k == "cls_token" or k.startswith(("patch_embed.", "blocks."))]

@@ -163,23 +163,22 @@ def interpolate_pos_embed(table: np.ndarray, new_grid: int) -> np.ndarray:
   return np.concatenate([table[:1], resized]).astype(np.float32)
 
 
-def init_from_mae(model: ViTClassifier, mae_model, mae_params, rng) -> dict:
-  """Classifier parameters from a pre-trained MAE: the encoder's (``patch_embed``, ``cls_token``,
-  ``blocks``) copied; ``pos_embed`` = the MAE's fixed sin-cos table, interpolated to this grid
-  (``interpolate_pos_embed``) and now trainable; a fresh ``fc_norm`` (1, 0) and ``head``
-  (N(0, 2e-5^2) weights, zero bias), as upstream's loader leaves them (docs/finetune.md 3.2).
-  The decoder, skip layers and decoder tokens of pre-training are not used.
+def init_from_mae(params, mae_model, mae_params) -> dict:
+  """Classifier parameters from a pre-trained MAE, over the classifier's freshly initialised
+  ``params``: the encoder's (``patch_embed``, ``cls_token``, ``blocks``) copied; ``pos_embed`` =
+  the MAE's fixed sin-cos table, interpolated to this grid (``interpolate_pos_embed``) and now
+  trainable; ``fc_norm`` (1, 0) and ``head`` (N(0, 2e-5^2) weights, zero bias) kept as initialised,
+  as upstream's loader leaves them (docs/finetune.md 3.2). The decoder, skip layers and decoder
+  tokens of pre-training are not used.
   """
-  dummy = jnp.zeros((1, model.img_size, model.img_size, model.in_chans), jnp.float32)
-  fresh = jax.jit(model.clone(train=False).init)(rng, dummy)["params"]
-  params = dict(fresh)
+  out = dict(params)
   for name in ("patch_embed", "cls_token", "blocks"):
-    src, dst = mae_params[name], fresh[name]
+    src, dst = mae_params[name], params[name]
     if (jax.tree_util.tree_structure(src) != jax.tree_util.tree_structure(dst)
         or any(a.shape != b.shape for a, b in zip(jax.tree_util.tree_leaves(src),
                                                   jax.tree_util.tree_leaves(dst)))):
       raise ValueError(f"the pre-trained '{name}' does not fit this classifier (sizes differ)")
-    params[name] = jax.tree_util.tree_map(jnp.asarray, src)
-  table = interpolate_pos_embed(mae_model.pos_embed(), model.grid)
-  params["pos_embed"] = jnp.asarray(table)[None]
-  return params
+    out[name] = jax.tree_util.tree_map(jnp.asarray, src)
+  grid = int(round(np.sqrt(params["pos_embed"].shape[1] - 1)))
+  out["pos_embed"] = jnp.asarray(interpolate_pos_embed(mae_model.pos_embed(), grid))[None]
+  return out

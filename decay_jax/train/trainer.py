@@ -171,7 +171,7 @@ def train_and_evaluate(config, workdir: str,
     state = jax.jit(lambda: step_lib.init_state(task, tx, config.seed, use_ema),
                     out_shardings=shardings)()
     if start_from is not None:  # the encoder of pre-training; fc_norm and head stay fresh
-      params = vit.init_from_mae(model, *start_from, jax.random.key(config.seed))
+      params = vit.init_from_mae(state["params"], *start_from)
       state["params"] = jax.device_put(params, shardings["params"])
       logging.info("initialised from %s: patch_embed, cls_token, pos_embed and %d blocks "
                    "(alpha_min %s); fc_norm and head fresh", config.init_from, model.depth,
