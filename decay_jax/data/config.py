@@ -60,9 +60,8 @@ EMBEDDED_NPZ = os.path.join(EMBEDDED_DIR, "mnist_10k.npz")
 _CHECKED_FIELDS = ("image_size", "crop_scale", "crop_ratio", "flip", "normalize", "eval_resize",
                    "max_eval_examples", "dataset", "channels", "num_workers", "num_threads",
                    "prefetch", "rand_augment")
-# timm's RandAugment spec string: 'rand-m<magnitude>[-mstd<std>][-n<ops>]-inc1' (the increasing ops).
-_RAND_AUGMENT = re.compile(r"^rand(?:-m(?P<m>\d+(?:\.\d+)?)|-mstd(?P<mstd>\d+(?:\.\d+)?)"
-                           r"|-n(?P<n>\d+)|-inc(?P<inc>1))+$")
+# One token of timm's RandAugment string after 'rand': m<magnitude>, mstd<std>, n<ops>, inc<0|1>.
+_RAND_AUGMENT_TOKEN = re.compile(r"(mstd|m|n|inc)(\d+(?:\.\d+)?)")
 
 
 def default_data_config() -> ml_collections.ConfigDict:
@@ -129,14 +128,11 @@ def rand_augment_params(spec: str) -> Optional[dict]:
   """``{'num_ops', 'magnitude', 'magnitude_std'}`` of a RandAugment string; None for ''."""
   if not spec:
     return None
-  parts = {}
-  for token in str(spec).split("-")[1:]:
-    for key in ("mstd", "m", "n", "inc"):
-      if token.startswith(key) and token[len(key):].replace(".", "", 1).isdigit():
-        parts[key] = token[len(key):]
-        break
-  if (not isinstance(spec, str) or not _RAND_AUGMENT.match(spec) or parts.get("inc") != "1"
-      or "m" not in parts):
+  tokens = spec.split("-") if isinstance(spec, str) else []
+  found = [_RAND_AUGMENT_TOKEN.fullmatch(t) for t in tokens[1:]]
+  parts = {m.group(1): m.group(2) for m in found if m}
+  if (tokens[:1] != ["rand"] or not all(found) or parts.get("inc") != "1" or "m" not in parts
+      or not parts.get("n", "2").isdigit()):
     raise validate.not_allowed("rand_augment", spec, "give '' or timm's 'rand-m<magnitude>"
                                "[-mstd<std>][-n<ops>]-inc1', e.g. 'rand-m9-mstd0.5-inc1'")
   return {"num_ops": int(parts.get("n", 2)), "magnitude": float(parts["m"]),

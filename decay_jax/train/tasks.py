@@ -109,9 +109,10 @@ class FinetuneTask:
     m = self.model
     return (jnp.zeros((batch, m.img_size, m.img_size, m.in_chans), jnp.float32),)
 
-  def mix(self, images, labels, rng):
+  def mix(self, images, labels, rng, group: Optional[int] = None):
+    """Mixup/CutMix of the config in groups of ``group`` examples (default ``mixup_cfg.group``)."""
     c = self.mixup_cfg
-    return mixup.mixup_cutmix(rng, images, labels, self.model.num_classes, group=c.group,
+    return mixup.mixup_cutmix(rng, images, labels, self.model.num_classes, group=group or c.group,
                               mixup_alpha=c.mixup_alpha, cutmix_alpha=c.cutmix_alpha,
                               switch_prob=c.switch_prob, smoothing=c.smoothing)
 
@@ -129,11 +130,7 @@ class FinetuneTask:
     """Rows: the images, then what Mixup/CutMix made of them (groups of ``num``)."""
     del params, live
     imgs = batch["image"][:num]
-    c = self.mixup_cfg
-    mixed, _ = mixup.mixup_cutmix(rng, imgs, batch["label"][:num], self.model.num_classes,
-                                  group=num, mixup_alpha=c.mixup_alpha,
-                                  cutmix_alpha=c.cutmix_alpha, switch_prob=c.switch_prob,
-                                  smoothing=c.smoothing)
+    mixed, _ = self.mix(imgs, batch["label"][:num], rng, group=num)
     return grid([to_uint8(x, self.mean, self.std) for x in (np.asarray(imgs), np.asarray(mixed))])
 
   def train_flops_per_example(self) -> float:
