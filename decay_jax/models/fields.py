@@ -41,6 +41,13 @@ def check_positive_ints(m, names) -> None:
     validate.check_int(field, getattr(m, field))
 
 
+def check_patches(m) -> None:
+  """An image encoder's ``img_size`` must be a multiple of its ``patch_size``."""
+  if m.img_size % m.patch_size:
+    raise ValueError(f"img_size={m.img_size} is not allowed; it must be a multiple of "
+                     f"patch_size={m.patch_size}")
+
+
 def check_common(m) -> None:
   """Fields every decayed model has: the schedule, the shortcut form, dtype, attention, remat."""
   validate.check_range("alpha_min", m.alpha_min, 0.0, 1.0, low_open=True)

@@ -227,9 +227,7 @@ def validate_mae_fields(m) -> None:
   """One-line errors for bad model fields, raised at construction (before any compilation)."""
   fields.check_positive_ints(m, ("img_size", "patch_size", "in_chans", "dim", "depth", "num_heads",
                                  "decoder_dim", "decoder_depth", "decoder_num_heads"))
-  if m.img_size % m.patch_size:
-    raise ValueError(f"img_size={m.img_size} is not allowed; it must be a multiple of "
-                     f"patch_size={m.patch_size}")
+  fields.check_patches(m)
   if m.dim % m.num_heads or m.decoder_dim % m.decoder_num_heads:
     raise ValueError(f"dim={m.dim}/decoder_dim={m.decoder_dim} must be divisible by num_heads="
                      f"{m.num_heads}/decoder_num_heads={m.decoder_num_heads}")

@@ -96,9 +96,7 @@ def validate_vit_fields(m) -> None:
   """One-line errors for bad fields, raised at construction (before any compilation)."""
   fields.check_positive_ints(m, ("num_classes", "img_size", "patch_size", "in_chans", "dim",
                                  "depth", "num_heads"))
-  if m.img_size % m.patch_size:
-    raise ValueError(f"img_size={m.img_size} is not allowed; it must be a multiple of "
-                     f"patch_size={m.patch_size}")
+  fields.check_patches(m)
   if m.dim % m.num_heads or m.dim % 4:
     raise ValueError(f"dim={m.dim} is not allowed; it must be divisible by num_heads="
                      f"{m.num_heads} and by 4 (2-D sin-cos positions)")
