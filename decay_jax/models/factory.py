@@ -16,13 +16,14 @@ from decay_jax import validate
 from decay_jax.models import inception as inception_lib
 from decay_jax.models import mae as mae_lib
 from decay_jax.models import sit as sit_lib
+from decay_jax.models import uvit as uvit_lib
 from decay_jax.models import vit as vit_lib
 from decay_jax.models import vae as vae_lib
 
 MODEL_CLASSES = {"MaskedAutoencoder": mae_lib.MaskedAutoencoder, "SiT": sit_lib.SiT,
                  "AutoencoderKL": vae_lib.AutoencoderKL,
                  "FIDInceptionV3": inception_lib.FIDInceptionV3,
-                 "ViTClassifier": vit_lib.ViTClassifier}
+                 "ViTClassifier": vit_lib.ViTClassifier, "UViT": uvit_lib.UViT}
 TASKS = ("mae", "sit", "finetune")
 
 

@@ -1,0 +1,358 @@
+"""U-ViT (Bao et al., CVPR 2023; baofff/U-ViT ``libs/uvit.py``) with decayed identity shortcuts.
+
+All inputs are tokens (shared/spec/uvit.md section 1). With ``K = depth // 2`` there are ``K``
+in-blocks, one mid-block and ``K`` out-blocks, ``2K + 1`` blocks in all::
+
+    tokens = [label?, time, patches] + pos_embed        (B, extras + N, D), extras = 1 + [cond]
+    in-block i:  x = block(x); push x                    i = 0 .. K-1
+    mid-block:   x = block(x)                            (its output is not pushed)
+    out-block j: x = block(x, pop())                     out-block j reads in-block K-1-j
+    eps = final_conv(unpatchify(decoder_pred(LN(x))[:, extras:]))
+
+Every block is pre-norm, block ``b`` (in0..in(K-1), mid, out0..out(K-1)) computing::
+
+    out-blocks only:  x <- W_s [x ; s] + b_s        (skip_mode 'concat', U-ViT: a replacement)
+    x <- alpha_{2b}   x + Attn(LN1(x))
+    x <- alpha_{2b+1} x + MLP(LN2(x))
+
+with LayerNorm eps 1e-5 (torch default, not the 1e-6 of MAE/SiT), qkv without bias, exact-erf GELU.
+``alpha`` comes from ``decay_jax.models.schedules`` over the ``2K + 1`` blocks in the order above:
+module constants computed in Python, never parameters (unless ``shortcut_form='learnable'``). The
+skip Linear, the pos-embed add and everything outside the blocks are not decayed.
+
+Modes (``mode``):
+  ``'uvit_original'``: alpha = 1 everywhere and U-ViT's init: bit for bit the baofff model
+      (parity tests, released checkpoints). The decay fields (``alpha_min``, ``schedule_*``,
+      ``shortcut_form``, ``zero_init_branches``) are not read in this mode.
+  ``'decayed'`` (default): the schedule of ``alpha_min`` / ``schedule_convention`` /
+      ``schedule_shape`` / ``shortcut_form``, and ``zero_init_branches``.
+
+Choices where the sources are silent (the decayed paper ships no U-ViT code), spec section 4.2:
+  * [CHOICE] ``schedule_convention='sublayer'`` (default): one linear schedule over the
+    ``S = 2(2K+1)`` sublayers in -> mid -> out, ``alpha_k = 1 - k (1 - alpha_min) / (S - 1)``, as
+    the official decayed SiT; ``'block'`` is the paper's per-block equation (one ``alpha_l`` per
+    block applied to the block as a whole, i.e. the pair ``(alpha_l, 1)``).
+  * [CHOICE] ``zero_init_branches=True`` (decayed mode): ``attn.proj`` and ``mlp.fc2`` kernels
+    start at zero in all blocks (as the official decayed MAE); the skip Linear, ``decoder_pred`` and
+    the convs keep U-ViT's init.
+  * [CHOICE] ``skip_mode='concat'`` is U-ViT's long skip; ``'add'`` (``x <- x + W s``, the decayed
+    SiT's form, an ablation) and ``'none'`` (U-ViT's ``skip=False``) are alternatives.
+
+Inputs: ``x (B, H, W, C)`` NHWC with ``H = W = img_size``, ``t (B,)`` float network time fed to the
+sinusoid as given (U-ViT feeds ``999 t`` for continuous time, or the integer step), ``y (B,)`` int
+labels when ``num_classes > 0`` (no label dropout here: the data pipeline maps dropped labels to a
+null class, as U-ViT does) and ``None`` otherwise. Output: the noise prediction, ``(B, H, W, C)``
+float32.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from decay_jax import validate
+from decay_jax.models import fields, layers, schedules
+from decay_jax.models.blocks import decayed_update, sow_branch_norms
+from decay_jax.models.layers import Dtype
+from decay_jax.models.sit import timestep_frequencies
+
+MODES = ("decayed", "uvit_original")
+SKIP_MODES = ("concat", "add", "none")
+LN_EPS = 1e-5  # nn.LayerNorm(dim) in U-ViT: the torch default
+
+# U-ViT's init (spec 2.1): timm trunc_normal_(std=.02) with absolute bounds +-2 is N(0, 0.02^2) in
+# practice; Linear biases 0. The convs keep torch's default init, U(+-1/sqrt(fan_in)) for kernel and
+# bias; the label table keeps nn.Embedding's N(0, 1).
+linear_init = layers.normal(0.02)
+torch_conv_kernel_init = nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+
+
+def dense(features: int, dtype: Dtype, name: Optional[str] = None,
+          kernel_init: Callable = linear_init, use_bias: bool = True) -> nn.Dense:
+  """A Linear with U-ViT's init (kernel N(0, 0.02^2), bias 0)."""
+  return nn.Dense(features, use_bias=use_bias, dtype=dtype, kernel_init=kernel_init,
+                  bias_init=layers.zeros, name=name)
+
+
+def layer_norm(name: Optional[str] = None) -> nn.LayerNorm:
+  """Affine LayerNorm with torch's eps 1e-5, in float32 with the two-pass variance."""
+  return nn.LayerNorm(epsilon=LN_EPS, dtype=jnp.float32, use_fast_variance=False, name=name)
+
+
+def torch_conv(features: int, kernel: int, fan_in: int, dtype: Dtype, padding, strides: int = 1,
+               name: Optional[str] = None) -> nn.Conv:
+  """A square Conv2d with torch's default init (kernel and bias U(+-1/sqrt(fan_in)))."""
+  return nn.Conv(features, (kernel, kernel), strides=(strides, strides), padding=padding,
+                 dtype=dtype, kernel_init=torch_conv_kernel_init,
+                 bias_init=layers.torch_conv_bias_init(fan_in), name=name)
+
+
+class UViTAttention(nn.Module):
+  """U-ViT ``Attention``: ``qkv`` Linear (bias only with ``qkv_bias``) split ``(3, H, D/H)`` as
+  [q | k | v] head-major, softmax(q k^T (D/H)^-1/2) v, heads merged, ``proj`` Linear with bias.
+  ``(B, T, D) -> (B, T, D)``; ``implementation`` None chooses per shape (``resolve_attention``)."""
+  num_heads: int
+  qkv_bias: bool = False
+  dtype: Dtype = jnp.float32
+  proj_init: Callable = linear_init
+  implementation: Optional[str] = None
+
+  @nn.compact
+  def __call__(self, x):
+    b, t, d = x.shape
+    hd = d // self.num_heads
+    q, k, v = jnp.moveaxis(
+        dense(3 * d, self.dtype, "qkv", use_bias=self.qkv_bias)(x).reshape(
+            b, t, 3, self.num_heads, hd), 2, 0)
+    impl = layers.resolve_attention(self.implementation, self.dtype, t, hd)
+    heads = jax.nn.dot_product_attention(q, k, v, implementation=impl)
+    return dense(d, self.dtype, "proj", self.proj_init)(heads.reshape(b, t, d))
+
+
+class UViTMlp(nn.Module):
+  """timm ``Mlp`` as U-ViT builds it: fc1 -> exact-erf GELU -> fc2, U-ViT's Linear init."""
+  hidden: int
+  dtype: Dtype = jnp.float32
+  fc2_init: Callable = linear_init
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.gelu(dense(self.hidden, self.dtype, "fc1")(x), approximate=False)
+    return dense(x.shape[-1], self.dtype, "fc2", self.fc2_init)(h)
+
+
+class UViTBlock(nn.Module):
+  """U-ViT ``Block`` with decayed shortcuts, written for ``nn.scan``: ``(x, xs) -> (x, x)``.
+
+  ``xs`` is this block's ``alpha = (alpha_attn, alpha_mlp)``, or ``(alpha, s)`` when ``skip_mode``
+  is 'concat' (``x <- skip_linear([x ; s])``, Linear(2D, D)) or 'add' (``x <- x + skip_linear(s)``,
+  Linear(D, D)); then ``x <- alpha_attn x + Attn(LN1 x)``, ``x <- alpha_mlp x + MLP(LN2 x)``.
+  ``x, s: (B, T, D)`` float32. With ``zero_init`` the ``attn.proj`` and ``mlp.fc2`` kernels start
+  at zero. With ``'intermediates'`` mutable it sows ``attn_norms`` / ``mlp_norms`` as ``MAEBlock``.
+  """
+  num_heads: int
+  mlp_ratio: float = 4.0
+  qkv_bias: bool = False
+  skip_mode: str = "none"
+  zero_init: bool = False
+  branch_scale: float = 1.0
+  dtype: Dtype = jnp.float32
+  attention_impl: Optional[str] = None
+
+  @nn.compact
+  def __call__(self, x, xs):
+    d = x.shape[-1]
+    alpha = xs
+    if self.skip_mode != "none":
+      alpha, s = xs
+      skip_linear = dense(d, self.dtype, "skip_linear")
+      if self.skip_mode == "concat":
+        x = skip_linear(jnp.concatenate([x, s], axis=-1)).astype(jnp.float32)
+      else:
+        x = x + skip_linear(s).astype(x.dtype)
+    last_init = layers.zeros if self.zero_init else linear_init
+    h = UViTAttention(self.num_heads, self.qkv_bias, self.dtype, last_init, self.attention_impl,
+                      name="attn")(layer_norm("norm1")(x))
+    sow_branch_norms(self, "attn_norms", x, alpha[0], h, self.branch_scale)
+    x = decayed_update(x, alpha[0], h, self.branch_scale)
+    h = UViTMlp(int(d * self.mlp_ratio), self.dtype, last_init, name="mlp")(layer_norm("norm2")(x))
+    sow_branch_norms(self, "mlp_norms", x, alpha[1], h, self.branch_scale)
+    x = decayed_update(x, alpha[1], h, self.branch_scale)
+    return x, x
+
+
+class UViT(fields.PatchGrid, nn.Module):
+  """U-ViT noise-prediction network with decayed identity shortcuts (see the module docstring).
+
+  Fields as U-ViT's constructor (``dim`` is ``embed_dim``; ``depth`` is U-ViT's argument, giving
+  ``2 (depth // 2) + 1`` blocks; ``num_classes > 0`` adds the label token; ``conv`` the final 3x3
+  conv; ``mlp_time_embed`` the Linear-SiLU-Linear on the time token) plus ``skip_mode``, ``mode``
+  and the decay fields. Defaults are U-ViT's constructor defaults; ``UVIT_PRESETS`` holds the
+  released configurations. Parameter names follow the torch state_dict (``pos_embed``,
+  ``patch_embed``, ``label_emb``, ``in_blocks`` / ``out_blocks`` (scanned, leading block axis),
+  ``mid_block``, ``norm``, ``decoder_pred``, ``final_layer``).
+  """
+  img_size: int = 224
+  patch_size: int = 16
+  in_chans: int = 3
+  dim: int = 768
+  depth: int = 12
+  num_heads: int = 12
+  mlp_ratio: float = 4.0
+  qkv_bias: bool = False
+  mlp_time_embed: bool = False
+  num_classes: int = -1
+  conv: bool = True
+  skip_mode: str = "concat"
+  mode: str = "decayed"
+  alpha_min: float = 0.7
+  schedule_convention: str = "sublayer"
+  schedule_shape: str = "linear"
+  shortcut_form: str = "decay"
+  zero_init_branches: bool = True
+  dtype: Dtype = jnp.float32
+  attention_impl: Optional[str] = None
+  remat_policy: str = "none"
+
+  def __post_init__(self):
+    fields.check_once(self, validate_uvit_fields)
+    super().__post_init__()
+
+  # ----- constants derived from the fields -------------------------------------------------------
+  @property
+  def half(self) -> int:
+    """``K``: the number of in-blocks, and of out-blocks."""
+    return self.depth // 2
+
+  @property
+  def num_blocks(self) -> int:
+    """``2K + 1`` blocks: in-blocks, the mid-block, out-blocks."""
+    return 2 * self.half + 1
+
+  @property
+  def conditional(self) -> bool:
+    return self.num_classes > 0
+
+  @property
+  def extras(self) -> int:
+    """Tokens before the patches: ``[label, time]`` (conditional) or ``[time]``."""
+    return 2 if self.conditional else 1
+
+  @property
+  def shortcuts(self) -> schedules.Shortcuts:
+    """Identity coefficients ``(num_blocks, 2)`` in block order in -> mid -> out; all ones in
+    'uvit_original' mode."""
+    if self.mode == "uvit_original":
+      return schedules.shortcuts(self.num_blocks, 1.0)
+    return schedules.shortcuts(self.num_blocks, self.alpha_min, self.schedule_convention,
+                               self.schedule_shape, self.shortcut_form)
+
+  @property
+  def zero_init(self) -> bool:
+    """Whether the branch outputs (``attn.proj``, ``mlp.fc2`` kernels) start at zero."""
+    return self.mode == "decayed" and self.zero_init_branches
+
+  # ----- modules ---------------------------------------------------------------------------------
+  def setup(self):
+    sc = self.shortcuts
+    d, p, c = self.dim, self.patch_size, self.in_chans
+    self.patch_embed = torch_conv(d, p, c * p * p, self.dtype, "VALID", strides=p)
+    if self.mlp_time_embed:
+      self.time_embed_0 = dense(4 * d, self.dtype)
+      self.time_embed_2 = dense(d, self.dtype)
+    if self.conditional:
+      self.label_emb = nn.Embed(self.num_classes, d, embedding_init=layers.normal(1.0))
+    self.pos_embed = self.param("pos_embed", linear_init, (1, self.extras + self.num_patches, d))
+    if sc.learnable:
+      self.alpha = self.param("alpha", lambda _: jnp.asarray(sc.alphas, jnp.float32))
+    else:
+      self.alpha = jnp.asarray(sc.alphas, jnp.float32)
+    block = lambda skip_mode: (self.num_heads, self.mlp_ratio, self.qkv_bias, skip_mode,
+                               self.zero_init, sc.branch_scale, self.dtype, self.attention_impl)
+    self.in_blocks = layers.scan_blocks(UViTBlock, self.half, 0, self.remat_policy)(*block("none"))
+    self.mid_block = layers.remat(UViTBlock, self.remat_policy)(*block("none"))
+    self.out_blocks = layers.scan_blocks(UViTBlock, self.half, 0, self.remat_policy)(
+        *block(self.skip_mode))
+    self.norm = layer_norm()
+    self.decoder_pred = dense(p * p * c, self.dtype)
+    if self.conv:
+      self.final_layer = torch_conv(c, 3, 9 * c, self.dtype, ((1, 1), (1, 1)))
+
+  # ----- forward ---------------------------------------------------------------------------------
+  def embed(self, x, t, y=None):
+    """Tokens ``[label?, time, patches] + pos_embed``, ``(B, extras + N, D)`` float32."""
+    b, h, w, c = x.shape
+    if (h, w, c) != (self.img_size, self.img_size, self.in_chans):
+      raise ValueError(f"x of shape {x.shape} is not allowed; this UViT takes (B, {self.img_size}, "
+                       f"{self.img_size}, {self.in_chans})")
+    if (y is not None) != self.conditional:
+      raise ValueError(f"y={'None' if y is None else 'labels'} is not allowed with num_classes="
+                       f"{self.num_classes}; labels go with num_classes > 0 only")
+    patches = self.patch_embed(x).reshape(b, -1, self.dim).astype(jnp.float32)
+    time = timestep_frequencies(t, self.dim)
+    if self.mlp_time_embed:
+      time = self.time_embed_2(nn.silu(self.time_embed_0(time))).astype(jnp.float32)
+    tokens = [time[:, None]]
+    if y is not None:
+      tokens.insert(0, self.label_emb(y).astype(jnp.float32)[:, None])
+    return jnp.concatenate(tokens + [patches], axis=1) + self.pos_embed
+
+  def run_blocks(self, tokens):
+    """All blocks on ``tokens (B, T, D)``: the final stream ``(B, T, D)``, the in-block outputs
+    ``(K, B, T, D)`` (the long-skip sources), the mid output and the out-block outputs."""
+    k = self.half
+    h, in_outs = self.in_blocks(tokens, self.alpha[:k])
+    h, mid = self.mid_block(h, self.alpha[k])
+    xs = self.alpha[k + 1:] if self.skip_mode == "none" else (self.alpha[k + 1:], in_outs[::-1])
+    h, out_outs = self.out_blocks(h, xs)
+    return h, in_outs, mid, out_outs
+
+  def block_outputs(self, x, t, y=None):
+    """The residual stream after every block, in -> mid -> out: ``(2K+1, B, extras + N, D)``.
+
+    Raw (before the final ``norm``), all tokens; the probe features of spec 5.2 pool these over
+    the patch tokens ``[:, :, extras:]``.
+    """
+    _, in_outs, mid, out_outs = self.run_blocks(self.embed(x, t, y))
+    return jnp.concatenate([in_outs, mid[None], out_outs], axis=0)
+
+  def __call__(self, x, t, y=None):
+    """Noise prediction ``(B, H, W, C)`` float32 for ``x (B, H, W, C)``, ``t (B,)``, ``y (B,)``."""
+    _, h, w, c = x.shape
+    tokens = self.run_blocks(self.embed(x, t, y))[0]  # the unused out-block outputs are dropped
+    out = self.decoder_pred(self.norm(tokens)).astype(jnp.float32)[:, self.extras:]
+    out = layers.unpatchify(out, self.patch_size, h, w, c)
+    if self.conv:
+      out = self.final_layer(out).astype(jnp.float32)
+    return out
+
+
+def validate_uvit_fields(m) -> None:
+  """One-line errors for bad model fields, raised at construction (before any compilation)."""
+  fields.check_positive_ints(m, ("img_size", "patch_size", "in_chans", "dim", "depth",
+                                 "num_heads"))
+  validate.check_int("num_classes", m.num_classes, minimum=-1)
+  fields.check_patches(m)
+  if m.depth < 2 or m.depth % 2:
+    raise ValueError(f"depth={m.depth} is not allowed; U-ViT builds depth//2 in-blocks, a "
+                     "mid-block and depth//2 out-blocks, so it must be even and >= 2")
+  if m.dim % m.num_heads or m.dim % 2:
+    raise ValueError(f"dim={m.dim} is not allowed; it must be even (the time sinusoid) and "
+                     f"divisible by num_heads={m.num_heads}")
+  for flag in ("qkv_bias", "mlp_time_embed", "conv", "zero_init_branches"):
+    validate.check_flag(flag, getattr(m, flag))
+  validate.check_choice("skip_mode", m.skip_mode, SKIP_MODES)
+  validate.check_choice("mode", m.mode, MODES)
+  fields.check_common(m)
+
+
+# Released configurations (baofff/U-ViT configs/*.py; spec 3.1) and the CPU preset of spec 7. Sizes
+# and data shapes only: execution fields (remat, dtype) and the mode are the caller's.
+UVIT_PRESETS = {
+    # cifar10_uvit_small: 44,255,328 parameters
+    "S/2": dict(img_size=32, patch_size=2, in_chans=3, dim=512, depth=12, num_heads=8),
+    # celeba64_uvit_small: 44,292,228
+    "S/4": dict(img_size=64, patch_size=4, in_chans=3, dim=512, depth=12, num_heads=8),
+    # imagenet64_uvit_mid: 130,940,292
+    "M/4": dict(img_size=64, patch_size=4, in_chans=3, dim=768, depth=16, num_heads=12,
+                num_classes=1000),
+    # imagenet64_uvit_large: 286,827,652
+    "L/4": dict(img_size=64, patch_size=4, in_chans=3, dim=1024, depth=20, num_heads=16,
+                num_classes=1000),
+    # imagenet256_uvit_large, SD-VAE latents 4x32x32, 1000 classes + the CFG null class: 286,763,172
+    "L/2": dict(img_size=32, patch_size=2, in_chans=4, dim=1024, depth=20, num_heads=16,
+                num_classes=1001),
+    # imagenet256_uvit_huge, no final conv: 500,832,016
+    "H/2": dict(img_size=32, patch_size=2, in_chans=4, dim=1152, depth=28, num_heads=16,
+                num_classes=1001, conv=False),
+    # [CHOICE] spec 7: 7 blocks, 65 tokens, 1,505,028 parameters (92 state_dict keys)
+    "tiny/4": dict(img_size=32, patch_size=4, in_chans=3, dim=128, depth=6, num_heads=4),
+}
+
+
+def uvit(preset: str, **overrides) -> UViT:
+  """A ``UViT`` from a preset name (see ``UVIT_PRESETS``) with field overrides."""
+  return fields.from_preset(UViT, UVIT_PRESETS, preset, overrides)
