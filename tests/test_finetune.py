@@ -374,8 +374,8 @@ def test_init_from_anything_else_is_one_line(finetuned, tmp_path):
     pretrained.load(str(tmp_path), None)
   bad = ft.copy_and_resolve_references()
   bad.mixup.group = 12
-  with pytest.raises(ValueError, match="mixup.group=12 is not allowed; it must divide the "
-                                       "microbatch batch_size / accum_steps = 32"):
+  with pytest.raises(ValueError, match="mixup.group=12 is not allowed; it must divide "
+                                       "batch_size = 32"):
     trainer.check_config(bad)
   rgb = ft.copy_and_resolve_references()
   rgb.data.dataset = "cifar10"

@@ -37,13 +37,15 @@ def sow_branch_norms(module: nn.Module, name: str, x, alpha, branch, branch_scal
   module.sow("intermediates", name, jnp.stack([f, ident], axis=-1))
 
 
-def drop_path(module: nn.Module, branch, rate):
+def drop_path(module: nn.Module, branch, rate, u=None):
   """Stochastic depth on a residual branch ``(N, T, C)`` (timm ``DropPath``): per example, the
   whole branch is kept with probability ``1 - rate`` (``keep = floor(1 - rate + U[0, 1))``) and
-  then scaled by ``1 / (1 - rate)``. One draw per call from the ``'dropout'`` RNG; ``rate`` 0 keeps
-  every example unchanged."""
+  then scaled by ``1 / (1 - rate)``. ``u (N,)`` are the uniform draws; without them, one draw per
+  call from the ``'dropout'`` RNG. ``rate`` 0 keeps every example unchanged."""
   keep_prob = 1.0 - rate
-  u = jax.random.uniform(module.make_rng("dropout"), (branch.shape[0],) + (1,) * (branch.ndim - 1))
+  if u is None:
+    u = jax.random.uniform(module.make_rng("dropout"), branch.shape[:1])
+  u = u.reshape(branch.shape[:1] + (1,) * (branch.ndim - 1))
   return branch * (jnp.floor(keep_prob + u) / keep_prob).astype(branch.dtype)
 
 
@@ -55,7 +57,8 @@ class MAEBlock(nn.Module):
   With ``'intermediates'`` mutable it also sows ``attn_norms`` and ``mlp_norms``, each ``(N, 2)``:
   the mean token norm of the branch and of the scaled identity (see ``sow_branch_norms``).
   With ``stochastic_depth`` (fine-tuning, training only) each branch goes through ``drop_path``
-  at ``drop_rate``, two independent draws; the scaled identity is never dropped.
+  at ``drop_rate``, two independent draws (``drop_u (N, 2)`` when given, else the 'dropout' RNG);
+  the scaled identity is never dropped.
   """
   num_heads: int
   mlp_ratio: float = 4.0
@@ -65,20 +68,20 @@ class MAEBlock(nn.Module):
   stochastic_depth: bool = False
 
   @nn.compact
-  def __call__(self, x, alpha, drop_rate=0.0):
+  def __call__(self, x, alpha, drop_rate=0.0, drop_u=None):
     c = x.shape[-1]
     h = layers.layer_norm("norm1")(x)
     h = layers.Attention(self.num_heads, self.dtype, proj_init=layers.zeros,
                          implementation=self.attention_impl, name="attn")(h)
     if self.stochastic_depth:
-      h = drop_path(self, h, drop_rate)
+      h = drop_path(self, h, drop_rate, None if drop_u is None else drop_u[:, 0])
     sow_branch_norms(self, "attn_norms", x, alpha[0], h, self.branch_scale)
     x = decayed_update(x, alpha[0], h, self.branch_scale)
     h = layers.layer_norm("norm2")(x)
     h = layers.Mlp(int(c * self.mlp_ratio), approximate_gelu=False, dtype=self.dtype,
                    fc2_init=layers.zeros, name="mlp")(h)
     if self.stochastic_depth:
-      h = drop_path(self, h, drop_rate)
+      h = drop_path(self, h, drop_rate, None if drop_u is None else drop_u[:, 1])
     sow_branch_norms(self, "mlp_norms", x, alpha[1], h, self.branch_scale)
     x = decayed_update(x, alpha[1], h, self.branch_scale)
     return x, x

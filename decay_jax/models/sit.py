@@ -121,10 +121,10 @@ class SiT(fields.DecayedShortcuts, nn.Module):
     """Label embedding with CFG dropout to the null class (training: prob ``class_dropout_prob``,
     RNG stream 'label_drop'; ``force_drop_ids`` (N,) drops where it equals 1)."""
     drop = None
-    if train and self.class_dropout_prob > 0:
-      drop = jax.random.uniform(self.make_rng("label_drop"), y.shape) < self.class_dropout_prob
     if force_drop_ids is not None:
       drop = force_drop_ids == 1
+    elif train and self.class_dropout_prob > 0:
+      drop = jax.random.uniform(self.make_rng("label_drop"), y.shape) < self.class_dropout_prob
     if drop is not None:
       y = jnp.where(drop, self.num_classes, y)
     return self.y_embedder(y)

@@ -41,8 +41,9 @@ def drop_path_rates(depth: int, drop_path: float) -> np.ndarray:
 class ViTClassifier(fields.DecayedShortcuts, fields.PatchGrid, nn.Module):
   """Decayed ViT encoder + patch-token mean + ``fc_norm`` + ``head``. Input ``(N, H, W, C)``.
 
-  ``train`` switches drop path on (it needs a ``'dropout'`` RNG); evaluation uses the same
-  parameters with ``train=False``.
+  ``train`` switches drop path on: its uniform draws are ``drop_u (depth, N, 2)`` (attention and
+  MLP branch of every block) when given, else they come from the ``'dropout'`` RNG; evaluation uses
+  the same parameters with ``train=False``.
   """
   num_classes: int
   img_size: int = 224
@@ -67,7 +68,7 @@ class ViTClassifier(fields.DecayedShortcuts, fields.PatchGrid, nn.Module):
     super().__post_init__()
 
   @nn.compact
-  def __call__(self, imgs):
+  def __call__(self, imgs, drop_u=None):
     sc = self.shortcuts
     if sc.learnable:
       raise ValueError("shortcut_form='learnable' is not allowed for fine-tuning yet")
@@ -83,7 +84,7 @@ class ViTClassifier(fields.DecayedShortcuts, fields.PatchGrid, nn.Module):
         self.num_heads, self.mlp_ratio, sc.branch_scale, self.dtype, self.attention_impl,
         stochastic_depth=self.train, name="blocks")
     x, _ = blocks(x, jnp.asarray(sc.alphas, jnp.float32),
-                  jnp.asarray(drop_path_rates(self.depth, self.drop_path)))
+                  jnp.asarray(drop_path_rates(self.depth, self.drop_path)), drop_u)
     pooled = layers.layer_norm("fc_norm")(x[:, 1:].mean(axis=1))
     head = nn.Dense(self.num_classes, dtype=self.dtype, name="head",
                     kernel_init=nn.initializers.truncated_normal(HEAD_INIT_STD, lower=-2e5,

@@ -202,11 +202,10 @@ def validate(config) -> None:
     validate_lib.check_range("optim.layer_decay", config.optim.layer_decay, 0.0, 1.0,
                              low_open=True)
     validate_lib.check_int("mixup.group", config.mixup.group)
-    micro = config.batch_size // config.accum_steps
-    if micro % config.mixup.group:
+    if config.batch_size % config.mixup.group:  # mixed before the microbatch split
       raise validate_lib.not_allowed(
           "mixup.group", config.mixup.group,
-          f"it must divide the microbatch batch_size / accum_steps = {micro}")
+          f"it must divide batch_size = {config.batch_size}")
     validate_lib.check_range("mixup.smoothing", config.mixup.smoothing, 0.0, 1.0, high_open=True)
     validate_lib.check_range("mixup.erase_prob", config.mixup.erase_prob, 0.0, 1.0)
 

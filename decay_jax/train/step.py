@@ -72,26 +72,27 @@ def _split_microbatches(batch, accum: int):
 def make_train_step(task, tx, schedule: Callable, accum_steps: int = 1, ema_decay: float = 0.0):
   """``step(state, batch) -> (state, metrics)``; metrics are float32 scalars (means over the batch)."""
 
-  def grads_of(params, batch, rng):
-    (loss, metrics), grads = jax.value_and_grad(task.loss, has_aux=True)(params, batch, rng)
+  def grads_of(params, batch):
+    (loss, metrics), grads = jax.value_and_grad(task.loss, has_aux=True)(params, batch)
     return grads, metrics
 
   def step(state, batch):
     params = state["params"]
     rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+    # Every random number of the step, drawn for the whole batch: microbatch i then holds the
+    # examples (and draws) it would hold in one big batch.
+    batch = task.prepare(batch, rng)
     if accum_steps == 1:
-      grads, metrics = grads_of(params, batch, rng)
+      grads, metrics = grads_of(params, batch)
     else:
       micro = _split_microbatches(batch, accum_steps)
 
-      def body(carry, xs):
-        i, mb = xs
-        g, m = grads_of(params, mb, jax.random.fold_in(rng, i))
-        return jax.tree_util.tree_map(jnp.add, carry, (g, m)), None
+      def body(carry, mb):
+        return jax.tree_util.tree_map(jnp.add, carry, grads_of(params, mb)), None
 
-      zeros = jax.eval_shape(grads_of, params, jax.tree_util.tree_map(lambda x: x[0], micro), rng)
+      zeros = jax.eval_shape(grads_of, params, jax.tree_util.tree_map(lambda x: x[0], micro))
       zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
-      (grads, metrics), _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), micro))
+      (grads, metrics), _ = jax.lax.scan(body, zeros, micro)
       grads, metrics = jax.tree_util.tree_map(lambda x: x / accum_steps, (grads, metrics))
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new_params = optax.apply_updates(params, updates)

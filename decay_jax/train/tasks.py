@@ -2,7 +2,11 @@
 
 The trainer (``decay_jax.train.trainer``) is one loop; a task supplies
   * ``model`` and ``init_inputs(batch)``: the Flax module and the arguments of its ``init``;
-  * ``loss(params, batch, rng) -> (loss, metrics)``: the per-microbatch objective;
+  * ``prepare(batch, rng) -> batch``: every random number of a step (masks, noise, times, label
+    drops, erasing, Mixup/CutMix, drop-path draws) drawn for the whole batch, per example, before
+    the batch is split into microbatches; so accumulation changes nothing but summation order;
+  * ``loss(params, batch) -> (loss, metrics)``: the objective of a prepared (micro)batch, a mean
+    over its examples and deterministic given it;
   * ``picture(params, batch, rng) -> uint8 (H, W, 3)``: an image grid for monitoring (MAE:
     reconstructions of ``batch``; SiT: samples, ``batch`` unused);
   * ``train_flops_per_example()``: model FLOPs of one training example (forward + backward).
@@ -58,8 +62,13 @@ class MAETask:
     return (jnp.zeros((batch, m.img_size, m.img_size, m.in_chans), jnp.float32),
             jnp.zeros((batch, m.num_patches), jnp.float32))
 
-  def loss(self, params, batch, rng) -> Tuple[jax.Array, Dict[str, Any]]:
-    out = self.model.apply({"params": params}, batch["image"], rngs={"masking": rng})
+  def prepare(self, batch, rng):
+    """Adds the masking noise ``(N, L)`` (argsort of it picks the kept patches)."""
+    n = batch["image"].shape[0]
+    return dict(batch, noise=jax.random.uniform(rng, (n, self.model.num_patches)))
+
+  def loss(self, params, batch) -> Tuple[jax.Array, Dict[str, Any]]:
+    out = self.model.apply({"params": params}, batch["image"], batch["noise"])
     metrics = {"loss": out["loss"]}
     for i, v in enumerate(out["encoder_norms"]):
       metrics[f"feature_norm/encoder_{i:02d}"] = v
@@ -116,14 +125,21 @@ class FinetuneTask:
                               mixup_alpha=c.mixup_alpha, cutmix_alpha=c.cutmix_alpha,
                               switch_prob=c.switch_prob, smoothing=c.smoothing)
 
-  def loss(self, params, batch, rng):
+  def prepare(self, batch, rng):
+    """The erased and mixed images, their soft targets ``(N, classes)`` and the drop-path draws
+    ``(N, depth, 2)`` (example-major, so microbatches split them like the images)."""
     k_erase, k_mix, k_drop = jax.random.split(rng, 3)
     images = batch["image"]
     if self.mixup_cfg.erase_prob > 0:
       images = mixup.random_erasing(k_erase, images, self.mixup_cfg.erase_prob)
     images, targets = self.mix(images, batch["label"], k_mix)
-    logits = self.train_model.apply({"params": params}, images, rngs={"dropout": k_drop})
-    loss = mixup.soft_cross_entropy(logits, targets)
+    drop_u = jax.random.uniform(k_drop, (images.shape[0], self.model.depth, 2))
+    return {"image": images, "target": targets, "drop_u": drop_u}
+
+  def loss(self, params, batch):
+    logits = self.train_model.apply({"params": params}, batch["image"],
+                                    jnp.swapaxes(batch["drop_u"], 0, 1))
+    loss = mixup.soft_cross_entropy(logits, batch["target"])
     return loss, {"loss": loss}
 
   def picture(self, params, batch, rng, num: int = 8, live=None) -> np.ndarray:
@@ -164,14 +180,20 @@ class SiTTask:
     return (jnp.zeros((batch, m.input_size, m.input_size, m.in_channels), jnp.float32),
             jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), jnp.int32))
 
-  def loss(self, params, batch, rng):
-    x1, y = batch["image"], batch["label"]
+  def prepare(self, batch, rng):
+    """Adds the times ``t (N,)``, the noise ``x0`` (like the image) and the classifier-free
+    guidance label drops ``drop (N,)`` int32 (1: replaced by the null class)."""
+    x1 = batch["image"]
     k_t, k_noise, k_drop = jax.random.split(rng, 3)
-    t = self.transport.sample_time(k_t, x1.shape[0])
-    x0 = jax.random.normal(k_noise, x1.shape)
+    drop = jax.random.uniform(k_drop, x1.shape[:1]) < self.model.class_dropout_prob
+    return dict(batch, t=self.transport.sample_time(k_t, x1.shape[0]),
+                x0=jax.random.normal(k_noise, x1.shape), drop=drop.astype(jnp.int32))
+
+  def loss(self, params, batch):
+    x1, y, t = batch["image"], batch["label"], batch["t"]
     model_fn = lambda x, tt, y: self.model.apply({"params": params}, x, tt, y, train=True,
-                                                 rngs={"label_drop": k_drop})
-    per_example = self.transport.loss(model_fn, x1, x0, t, y=y)
+                                                 force_drop_ids=batch["drop"])
+    per_example = self.transport.loss(model_fn, x1, batch["x0"], t, y=y)
     loss = per_example.mean()
     metrics = {"loss": loss}
     bucket = jnp.clip((t * self.BUCKETS).astype(jnp.int32), 0, self.BUCKETS - 1)
