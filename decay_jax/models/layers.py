@@ -93,9 +93,10 @@ def resolve_attention(implementation: Optional[str], dtype, tokens: int, head_di
   return None
 
 
-def layer_norm(name: Optional[str] = None, affine: bool = True) -> nn.LayerNorm:
-  """LayerNorm eps 1e-6 computed in float32 (two-pass variance, as torch)."""
-  return nn.LayerNorm(epsilon=1e-6, use_bias=affine, use_scale=affine, dtype=jnp.float32,
+def layer_norm(name: Optional[str] = None, affine: bool = True, eps: float = 1e-6) -> nn.LayerNorm:
+  """LayerNorm (eps 1e-6 as timm's ViTs; U-ViT keeps torch's 1e-5) computed in float32 (two-pass
+  variance, as torch)."""
+  return nn.LayerNorm(epsilon=eps, use_bias=affine, use_scale=affine, dtype=jnp.float32,
                       use_fast_variance=False, name=name)
 
 
@@ -105,17 +106,21 @@ class Attention(nn.Module):
   The ``3C`` qkv outputs are ``[q | k | v]``, each split head-major into contiguous ``C/H`` chunks;
   softmax scale ``(C/H)^-1/2``; no mask, no dropout (docs/official_code.md 1.5).
   Input and output ``(N, T, C)``. ``implementation`` None chooses per shape (``resolve_attention``).
+  ``qkv_bias`` and ``qkv_init`` default to MAE/SiT's (bias, xavier); U-ViT has no qkv bias and
+  N(0, 0.02^2) weights.
   """
   num_heads: int
   dtype: Dtype = jnp.float32
   proj_init: Callable = xavier_uniform
   implementation: Optional[str] = None
+  qkv_bias: bool = True
+  qkv_init: Callable = xavier_uniform
 
   @nn.compact
   def __call__(self, x):
     n, t, c = x.shape
-    qkv = nn.Dense(3 * c, dtype=self.dtype, kernel_init=xavier_uniform, bias_init=zeros,
-                   name="qkv")(x)
+    qkv = nn.Dense(3 * c, use_bias=self.qkv_bias, dtype=self.dtype, kernel_init=self.qkv_init,
+                   bias_init=zeros, name="qkv")(x)
     qkv = qkv.reshape(n, t, 3, self.num_heads, c // self.num_heads)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     impl = resolve_attention(self.implementation, self.dtype, t, c // self.num_heads)
@@ -125,16 +130,18 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-  """fc1 -> GELU -> fc2 (timm Mlp). ``approximate_gelu`` selects tanh (SiT) or exact erf (MAE)."""
+  """fc1 -> GELU -> fc2 (timm Mlp). ``approximate_gelu`` selects tanh (SiT) or exact erf (MAE,
+  U-ViT); ``fc1_init`` / ``fc2_init`` the kernels' init (biases start at zero)."""
   hidden: int
   approximate_gelu: bool
   dtype: Dtype = jnp.float32
   fc2_init: Callable = xavier_uniform
+  fc1_init: Callable = xavier_uniform
 
   @nn.compact
   def __call__(self, x):
     c = x.shape[-1]
-    h = nn.Dense(self.hidden, dtype=self.dtype, kernel_init=xavier_uniform, bias_init=zeros,
+    h = nn.Dense(self.hidden, dtype=self.dtype, kernel_init=self.fc1_init, bias_init=zeros,
                  name="fc1")(x)
     h = nn.gelu(h, approximate=self.approximate_gelu)
     return nn.Dense(c, dtype=self.dtype, kernel_init=self.fc2_init, bias_init=zeros, name="fc2")(h)

@@ -78,8 +78,8 @@ def dense(features: int, dtype: Dtype, name: Optional[str] = None,
 
 
 def layer_norm(name: Optional[str] = None) -> nn.LayerNorm:
-  """Affine LayerNorm with torch's eps 1e-5, in float32 with the two-pass variance."""
-  return nn.LayerNorm(epsilon=LN_EPS, dtype=jnp.float32, use_fast_variance=False, name=name)
+  """U-ViT's affine LayerNorm: torch's eps 1e-5."""
+  return layers.layer_norm(name, eps=LN_EPS)
 
 
 def torch_conv(features: int, kernel: int, fan_in: int, dtype: Dtype, padding, strides: int = 1,
@@ -88,40 +88,6 @@ def torch_conv(features: int, kernel: int, fan_in: int, dtype: Dtype, padding, s
   return nn.Conv(features, (kernel, kernel), strides=(strides, strides), padding=padding,
                  dtype=dtype, kernel_init=torch_conv_kernel_init,
                  bias_init=layers.torch_conv_bias_init(fan_in), name=name)
-
-
-class UViTAttention(nn.Module):
-  """U-ViT ``Attention``: ``qkv`` Linear (bias only with ``qkv_bias``) split ``(3, H, D/H)`` as
-  [q | k | v] head-major, softmax(q k^T (D/H)^-1/2) v, heads merged, ``proj`` Linear with bias.
-  ``(B, T, D) -> (B, T, D)``; ``implementation`` None chooses per shape (``resolve_attention``)."""
-  num_heads: int
-  qkv_bias: bool = False
-  dtype: Dtype = jnp.float32
-  proj_init: Callable = linear_init
-  implementation: Optional[str] = None
-
-  @nn.compact
-  def __call__(self, x):
-    b, t, d = x.shape
-    hd = d // self.num_heads
-    q, k, v = jnp.moveaxis(
-        dense(3 * d, self.dtype, "qkv", use_bias=self.qkv_bias)(x).reshape(
-            b, t, 3, self.num_heads, hd), 2, 0)
-    impl = layers.resolve_attention(self.implementation, self.dtype, t, hd)
-    heads = jax.nn.dot_product_attention(q, k, v, implementation=impl)
-    return dense(d, self.dtype, "proj", self.proj_init)(heads.reshape(b, t, d))
-
-
-class UViTMlp(nn.Module):
-  """timm ``Mlp`` as U-ViT builds it: fc1 -> exact-erf GELU -> fc2, U-ViT's Linear init."""
-  hidden: int
-  dtype: Dtype = jnp.float32
-  fc2_init: Callable = linear_init
-
-  @nn.compact
-  def __call__(self, x):
-    h = nn.gelu(dense(self.hidden, self.dtype, "fc1")(x), approximate=False)
-    return dense(x.shape[-1], self.dtype, "fc2", self.fc2_init)(h)
 
 
 class UViTBlock(nn.Module):
@@ -154,11 +120,13 @@ class UViTBlock(nn.Module):
       else:
         x = x + skip_linear(s).astype(x.dtype)
     last_init = layers.zeros if self.zero_init else linear_init
-    h = UViTAttention(self.num_heads, self.qkv_bias, self.dtype, last_init, self.attention_impl,
-                      name="attn")(layer_norm("norm1")(x))
+    h = layers.Attention(self.num_heads, self.dtype, last_init, self.attention_impl,
+                         qkv_bias=self.qkv_bias, qkv_init=linear_init,
+                         name="attn")(layer_norm("norm1")(x))
     sow_branch_norms(self, "attn_norms", x, alpha[0], h, self.branch_scale)
     x = decayed_update(x, alpha[0], h, self.branch_scale)
-    h = UViTMlp(int(d * self.mlp_ratio), self.dtype, last_init, name="mlp")(layer_norm("norm2")(x))
+    h = layers.Mlp(int(d * self.mlp_ratio), approximate_gelu=False, dtype=self.dtype,
+                   fc2_init=last_init, fc1_init=linear_init, name="mlp")(layer_norm("norm2")(x))
     sow_branch_norms(self, "mlp_norms", x, alpha[1], h, self.branch_scale)
     x = decayed_update(x, alpha[1], h, self.branch_scale)
     return x, x
