@@ -162,3 +162,25 @@ def test_decay_mode_is_its_formula(variant, mode):
     assert np.abs(wrong - cap["out"]).max() > 100 * TOL * scale, other
     # ... and the other mode's model, with the same parameters, computes something else
     assert np.abs(caps[other]["out"] - cap["out"]).max() > 100 * TOL * scale, other
+
+
+@pytest.mark.parametrize("variant", ["plain", "static_skip"])
+def test_variants_that_route_nothing_decay_alike_in_every_mode(variant):
+  # Sublayers that route nothing keep alpha x + f(x) whatever routing_decay says ('encoder' used
+  # to set the decoder's coefficients of these variants to 1 as well).
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.standard_normal((2, 8, 8, 4)), jnp.float32)
+  t, y = jnp.asarray([0.3, 0.8], jnp.float32), jnp.asarray([2, 7], jnp.int32)
+  models = {mode: make_model(variant, mode) for mode in MODES}
+  abstract = jax.eval_shape(models["after"].init, jax.random.key(0), x, t, y)["params"]
+  params = jax.tree_util.tree_map(
+      lambda p: jnp.asarray(0.3 * rng.standard_normal(p.shape), jnp.float32), abstract)
+  outs = jax.jit(lambda p: {mode: m.apply({"params": p}, x, t, y)
+                            for mode, m in models.items()})(params)
+  assert float(jnp.abs(outs["after"]).max()) > 0.1
+  for mode in MODES[1:]:
+    np.testing.assert_array_equal(np.asarray(outs[mode]), np.asarray(outs["after"]), err_msg=mode)
+  # ... and still decay: alpha_min 1 computes something else
+  plain = sit_lib.sit("micro/2", depth=2, input_size=8, num_classes=10, alpha_min=1.0,
+                      residual_routing=variant)
+  assert float(jnp.abs(plain.apply({"params": params}, x, t, y) - outs["after"]).max()) > 1e-3

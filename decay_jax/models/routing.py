@@ -245,7 +245,9 @@ class RoutedTrunk(nn.Module):
     xs, x = [x0], x0
     for b, srcs in enumerate(plan):
       dec = b >= half
-      a = jnp.ones((2,), jnp.float32) if (dec and self.decay == "encoder") else alpha[b]
+      # (C) frees the identities of routing decoder blocks only; the others keep alpha x + f(x).
+      a = (jnp.ones((2,), jnp.float32) if (dec and self.decay == "encoder" and srcs is not None)
+           else alpha[b])
       nulls = (None, None)
       if srcs is not None and self.decay == "null":
         nulls = tuple(null_logit(self.alphas[b][i], 1 + len(srcs)) for i in range(2))
