@@ -1,5 +1,6 @@
 """End to end: train a tiny MAE (rank and branch ratios logged during training), convert-style save
-of the same weights, then `python -m decay_jax.cli.evaluate` on both: JSON, Markdown report, plots."""
+of the same weights, then `python -m decay_jax.cli.evaluate` on both (fine-tuning included): JSON,
+Markdown report, plots."""
 
 import json
 import os
@@ -44,6 +45,25 @@ def get_config():
   return c
 '''
 
+# The fine-tuning entry: the CPU fine-tuning config at the same size, 4 steps, evaluated twice.
+FINETUNE_CONFIG = '''
+import runpy
+
+def get_config():
+  c = runpy.run_path({demo!r})["get_config"]()
+  c.data.image_size = 16
+  c.batch_size = 32
+  c.num_train_steps = 4
+  c.warmup_epochs = 0.0
+  c.log_every_steps = 2
+  c.picture_every_steps = 0
+  c.checkpoint.every_steps = 4
+  c.checkpoint.async_save = False
+  c.mesh.data = 1
+  c.evals.accuracy.update(every_steps=2, max_eval_examples=200)
+  return c
+'''
+
 
 def load_config(path):
   import runpy
@@ -80,11 +100,15 @@ def test_report_on_run_and_converted_checkpoint(trained):
   converted = str(root / "converted")
   ckpt_lib.save_params(converted, params, model)  # what `python -m decay_jax.io.convert` writes
   out = str(root / "report")
+  ft_path = root / "tiny_finetune.py"
+  ft_path.write_text(FINETUNE_CONFIG.format(
+      demo=os.path.join(REPO, "configs", "finetune_cpu_mnist.py")))
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
   proc = subprocess.run(
       [sys.executable, "-m", "decay_jax.cli.evaluate", f"--workdir={workdir}",
-       f"--checkpoint={converted}", "--names=run,converted", f"--config={cfg_path}", f"--out={out}"],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+       f"--checkpoint={converted}", "--names=run,converted", f"--config={cfg_path}", f"--out={out}",
+       f"--finetune_config={ft_path}"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   with open(os.path.join(out, "evaluation.json")) as f:
     report = json.load(f)
@@ -103,11 +127,21 @@ def test_report_on_run_and_converted_checkpoint(trained):
   assert len(s["rank"]["tokens_erank"]) == 4 and len(s["branches"]["ratio_flat"]) == 8
   np.testing.assert_allclose(s["rank"]["tokens_erank"],
                              [res[f"rank/tokens_erank/block_{b:02d}"] for b in range(4)], rtol=1e-6)
+  # Fine-tuned from the run's workdir, and from the params dir: a real run each, evaluated twice.
+  ft = s["finetune"]
+  assert ft["steps"] == 4 and ft["batch_size"] == 32
+  assert 0.0 <= ft["top1"] <= ft["top5"] <= 1.0 and ft["top1"] <= ft["top1_best"] <= 1.0
+  with open(os.path.join(out, "finetune", "run", "results.json")) as f:
+    assert json.load(f)["accuracy/top1"] == ft["top1"]
+  assert run["settings"]["finetune"]["config"]["init_from"] == workdir
+  assert conv["settings"]["finetune"]["config"]["init_from"] == converted
   # Same weights through the converted-checkpoint path: exactly the same numbers.
   assert conv["sections"] == s
   with open(os.path.join(out, "report.md")) as f:
     md = f.read()
+  assert f"| {100 * ft['top1']:.2f}% ({100 * ft['top1_best']:.2f}%) |" in proc.stdout
   for text in ("## run", "## converted", "### Per block", "### Linear probes", "| official | mean |",
+               "### Fine-tuning (end to end)",
                "(accuracy_vs_block.png)", "(rank_vs_block.png)", "(branch_ratio_vs_sublayer.png)"):
     assert text in md
   for png in ("accuracy_vs_block.png", "rank_vs_block.png", "branch_ratio_vs_sublayer.png"):
@@ -122,5 +156,11 @@ def test_bad_flags_fail_with_one_line(tmp_path):
   assert proc.returncode == 2
   assert proc.stderr.strip() == ("error: --checkpoint needs --config=FILE for its data and "
                                  "evaluator settings (e.g. configs/mae_vit_b16.py)")
+  proc = subprocess.run([sys.executable, "-m", "decay_jax.cli.evaluate", f"--workdir={tmp_path}",
+                         "--evals=knn,finetune"], cwd=REPO, capture_output=True, text=True,
+                        timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 2
+  assert proc.stderr.strip() == ("error: --evals=finetune needs --finetune_config=FILE (e.g. "
+                                 "configs/finetune_cpu_mnist.py)")
   with pytest.raises(ValueError, match="has no config.json"):
     ckpt_lib.run_config(str(tmp_path), task="mae")

@@ -19,6 +19,10 @@ needs ``--config``. The evaluators are the ones training runs (``decay_jax.evals
   ``layers``  KNN and a fast linear probe on every block (curves; best block against last block)
   ``rank``    effective rank per block (spectral entropy rho, exp(rho)) and branch ratios
               ``||f(x)|| / ||alpha x||`` per sublayer
+  ``finetune`` end-to-end fine-tuning (docs/finetune.md) with ``--finetune_config=FILE`` (and its
+              ``--finetune_config.<field>=...`` overrides), initialised from each model; top-1 and
+              top-5 of the last evaluation and the best top-1, beside KNN and the linear probes.
+              The fine-tuning runs live in ``OUT/finetune/<name>``; a rerun resumes them.
 
 Writes ``OUT/evaluation.json``, ``OUT/report.md`` and the PNG plots; ``--out`` defaults to
 ``DIR/evaluation`` for a single model and is required for several.
@@ -31,6 +35,7 @@ import time
 from typing import Optional
 
 from absl import flags
+from absl import logging
 from ml_collections import config_flags
 
 from decay_jax import logs, paths
@@ -39,16 +44,21 @@ from decay_jax.cli import errors
 from decay_jax.evals import registry, report, suite
 from decay_jax.train import checkpoint as ckpt_lib
 
-EVALS = tuple(registry.EVALUATORS)
+EVALS = tuple(registry.EVALUATORS) + ("finetune",)
 WEIGHTS = ("params", "ema")
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file whose data and evals sections are used (optional with --workdir).",
     lock_config=True)
+_FINETUNE_CONFIG = config_flags.DEFINE_config_file(
+    "finetune_config", None, "Fine-tuning config (task 'finetune') of the finetune entry; its "
+    "init_from is set to each model.", lock_config=True)
 _WORKDIR = flags.DEFINE_list("workdir", [], "Training workdirs (their newest checkpoint).")
 _CHECKPOINT = flags.DEFINE_list("checkpoint", [], "Converted params dirs (decay_jax.io.convert).")
 _NAMES = flags.DEFINE_list("names", [], "Labels of the models (default: directory names).")
-_EVALS = flags.DEFINE_list("evals", list(EVALS), "Evaluators to run: " + ", ".join(EVALS))
+_EVALS = flags.DEFINE_list("evals", list(registry.EVALUATORS),
+                           "Evaluators to run: " + ", ".join(EVALS) + " (finetune is added by "
+                           "--finetune_config)")
 _OUT = flags.DEFINE_string("out", None, "Output directory (default DIR/evaluation for one model).")
 _STEP = flags.DEFINE_integer("step", -1, "Checkpoint step of --workdir runs (-1: the newest).")
 _WEIGHTS = flags.DEFINE_enum("weights", "params", list(WEIGHTS),
@@ -80,6 +90,29 @@ def _models(mesh):
     yield label, model, params, data_cfg, evals_cfg, source
 
 
+def _finetune(record: dict, source: dict, workdir: str) -> None:
+  """Fine-tunes from the model of ``source`` into ``workdir`` with ``--finetune_config``; adds the
+  ``finetune`` section (top-1 / top-5 of the last evaluation, best top-1, steps) to ``record``."""
+  # Imported here: the trainer pulls in TensorFlow, whose start-up lines would precede the
+  # one-line flag errors.
+  from decay_jax.train import trainer  # pylint: disable=g-import-not-at-top
+  config = _FINETUNE_CONFIG.value.copy_and_resolve_references()
+  config.init_from = source.get("workdir") or source["checkpoint"]
+  t0 = time.perf_counter()
+  logging.info("[%s] finetune into %s ...", record["name"], workdir)
+  results = trainer.train_and_evaluate(config, workdir, evaluators=registry.build)
+  if "accuracy/top1" not in results:
+    raise ValueError("--finetune_config has evals.accuracy disabled; the finetune entry reports "
+                     "its accuracy")
+  record["sections"]["finetune"] = {
+      "top1": results["accuracy/top1"], "top5": results["accuracy/top5"],
+      "top1_best": results.get("accuracy/top1_best", results["accuracy/top1"]),
+      "steps": int(results["step"]), "batch_size": config.batch_size,
+      "eval_split": config.evals.accuracy.eval_split}
+  record["settings"]["finetune"] = {"workdir": workdir, "config": config.to_dict()}
+  record["seconds"]["finetune"] = time.perf_counter() - t0
+
+
 def _check_flags() -> Optional[str]:
   """One line for the first bad flag, or None."""
   given_paths = _WORKDIR.value + _CHECKPOINT.value
@@ -92,9 +125,15 @@ def _check_flags() -> Optional[str]:
     return f"--names has {len(_NAMES.value)} labels for {len(given_paths)} models"
   if len(set(_NAMES.value)) != len(_NAMES.value):
     return f"--names={_NAMES.value} must be distinct"
-  bad = [e for e in _EVALS.value if e not in registry.EVALUATORS]
+  bad = [e for e in _EVALS.value if e not in EVALS]
   if bad or not _EVALS.value:
-    return f"--evals={_EVALS.value} is not allowed; choose from {', '.join(registry.EVALUATORS)}"
+    return f"--evals={_EVALS.value} is not allowed; choose from {', '.join(EVALS)}"
+  finetune = _FINETUNE_CONFIG.value
+  if "finetune" in _EVALS.value and finetune is None:
+    return "--evals=finetune needs --finetune_config=FILE (e.g. configs/finetune_cpu_mnist.py)"
+  if finetune is not None and finetune.get("task") != "finetune":
+    return (f"--finetune_config task={finetune.get('task')!r} is not allowed; it must be "
+            "'finetune'")
   if _OUT.value is None and len(given_paths) > 1:
     return "--out=DIR is required with several models"
   if _CONFIG.value is not None and _CONFIG.value.task != "mae":
@@ -112,14 +151,18 @@ def main(argv):
   import jax
   first = (_WORKDIR.value + _CHECKPOINT.value)[0]
   out = str(paths.resolve(_OUT.value or paths.join(first, "evaluation")))
-  names = list(dict.fromkeys(_EVALS.value))
+  names = list(dict.fromkeys(_EVALS.value + (["finetune"] if _FINETUNE_CONFIG.value else [])))
+  frozen = [n for n in names if n != "finetune"]
   records = []
   t0 = time.perf_counter()
   try:
     mesh = shd.make_mesh(-1, _FSDP.value)
     for label, model, params, data_cfg, evals_cfg, source in _models(mesh):
-      records.append(suite.evaluate_model(label, model, params, data_cfg, evals_cfg, names, mesh,
-                                    source))
+      record = suite.evaluate_model(label, model, params, data_cfg, evals_cfg, frozen, mesh,
+                                    source)
+      if "finetune" in names:
+        _finetune(record, source, paths.join(out, "finetune", label))
+      records.append(record)
   except ValueError as e:  # bad paths or settings: one line, no traceback
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -69,9 +69,9 @@ def _get(record: dict, *path):
 def summary_table(records: Sequence[dict]) -> str:
   """One row per model: the headline numbers."""
   lines = ["| model | alpha_min | alpha_eff | KNN top-1 | linear top-1 (official, mean) | "
-           "best KNN block | best linear block | tokens erank, last block | "
-           "pooled erank, last block |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "fine-tuned top-1 (best) | best KNN block | best linear block | "
+           "tokens erank, last block | pooled erank, last block |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in records:
     lay = _get(r, "layers") or {}
     best = lambda p: ("-" if p not in lay else
@@ -81,7 +81,9 @@ def summary_table(records: Sequence[dict]) -> str:
     lines.append(
         f"| {r['name']} | {r['model']['alpha_min']:g} | {r['model']['alpha_eff']:.4g} | "
         f"{_pct(_get(r, 'knn', 'top1'))} | "
-        f"{_pct(_get(r, 'linear', 'official', 'results', 'mean', 'top1'))} | {best('knn')} | "
+        f"{_pct(_get(r, 'linear', 'official', 'results', 'mean', 'top1'))} | "
+        f"{_pct(_get(r, 'finetune', 'top1'))} ({_pct(_get(r, 'finetune', 'top1_best'))}) | "
+        f"{best('knn')} | "
         f"{best('linear')} | {last('tokens_erank')} | {last('pooled_erank')} |")
   return "\n".join(lines)
 
@@ -110,6 +112,15 @@ def _linear_md(lin: dict) -> List[str]:
       s = ", ".join(f"{k} {v}" for k, v in lin[protocol]["settings"].items())
       out.append(f"Settings `{protocol}`: {s}.")
   return out + [""]
+
+
+def _finetune_md(ft: dict, settings: dict) -> List[str]:
+  return ["### Fine-tuning (end to end)", "",
+          "| steps | batch | eval split | top-1 | top-5 | best top-1 |",
+          "|---:|---:|---|---:|---:|---:|",
+          f"| {ft['steps']} | {ft['batch_size']} | {ft['eval_split']} | {_pct(ft['top1'])} | "
+          f"{_pct(ft['top5'])} | {_pct(ft['top1_best'])} |", "",
+          f"Run: `{settings.get('workdir', '?')}` (its config.json and metrics hold the recipe).", ""]
 
 
 def _blocks_md(r: dict) -> List[str]:
@@ -170,6 +181,8 @@ def model_markdown(r: dict, plots: Sequence[str]) -> str:
     lines += _knn_md(_get(r, "knn"))
   if _get(r, "linear"):
     lines += _linear_md(_get(r, "linear"))
+  if _get(r, "finetune"):
+    lines += _finetune_md(_get(r, "finetune"), r["settings"].get("finetune", {}))
   if any(_get(r, k) for k in ("layers", "rank", "branches")):
     lines += _blocks_md(r)
   secs = ", ".join(f"{k} {v:.1f} s" for k, v in r["seconds"].items())
