@@ -27,7 +27,8 @@ ROUTING_ROWS = list(runpy.run_path(os.path.join(REPO, "configs", "sit_s2_routing
 # (config file, row) of every paper config; sit_s2_routing.py selects a model per row string.
 TRAIN_CONFIGS = ([(name, None) for name in ("mae_vit_b16", "mae_vit_l16", "mae_vit_h14", "sit_b2",
                                             "sit_xl2", "finetune_vit_b16", "finetune_vit_l16",
-                                            "finetune_vit_h14")]
+                                            "finetune_vit_h14", "uvit_s2_cifar100",
+                                            "uvit_m4_imagenet")]
                  + [("sit_s2_routing", row) for row in ROUTING_ROWS])
 # The sample command's default sampler (config.sample: ODE heun, CFG 4) per SiT size and for a
 # routed model, and the SDE sampler of its docstring.

@@ -1,7 +1,14 @@
-"""Sample a trained SiT: PNG grids and an ``.npz`` of uint8 images in the layout FID tools expect.
+"""Sample a trained SiT or U-ViT: PNG grids and an ``.npz`` of uint8 images in the layout FID
+tools expect.
 
     python -m decay_jax.cli.sample --workdir=DIR --num=50000 --mode=ode --method=dopri5 --cfg=1.0
     python -m decay_jax.cli.sample --workdir=DIR --num=64 --mode=sde --method=euler --steps=250
+    python -m decay_jax.cli.sample --workdir=UVIT_DIR --num=50000 --mode=dpm --method=fast --steps=50
+
+SiT samplers: ``--mode=ode`` (euler, heun, dopri5) or ``sde`` (euler, heun), CFG scale ``--cfg``
+(1 = none). U-ViT samplers: ``--mode=dpm`` (``fast``: DPM-Solver-fast, ``--steps`` model calls;
+``pp``: DPM-Solver++) or ``sde`` / ``ode`` (``euler``: Euler-Maruyama), guidance ``--cfg=s`` as
+U-ViT's ``eps_c + s (eps_c - eps_null)`` (0 = none).
 
 Reads the run's ``config.json`` and newest checkpoint (``--step`` for another), and samples with
 the EMA weights (``--weights=params`` for the raw ones). Unset sampler flags take the run's
@@ -39,8 +46,9 @@ _STEP = flags.DEFINE_integer("step", -1, "Checkpoint step (-1: newest).")
 _WEIGHTS = flags.DEFINE_enum("weights", "ema", ["ema", "params"], "Which weights to sample with.")
 _NUM = flags.DEFINE_integer("num", 64, "Number of images.")
 _BATCH = flags.DEFINE_integer("batch_size", 0, "Images per sampling call (0: config.sample).")
-_MODE = flags.DEFINE_enum("mode", None, ["ode", "sde"], "ODE or SDE sampler.")
-_METHOD = flags.DEFINE_string("method", None, "ode: euler|heun|dopri5; sde: euler|heun.")
+_MODE = flags.DEFINE_enum("mode", None, ["ode", "sde", "dpm"], "ODE or SDE sampler; U-ViT: dpm too.")
+_METHOD = flags.DEFINE_string("method", None, "SiT ode: euler|heun|dopri5; sde: euler|heun. "
+                              "U-ViT dpm: fast|pp; sde, ode: euler.")
 _STEPS = flags.DEFINE_integer("steps", None, "Sampler steps (grid points).")
 _CFG = flags.DEFINE_float("cfg", None, "Classifier-free guidance scale (1 = none).")
 _CFG_CHANNELS = flags.DEFINE_integer("cfg_channels", None, "Guide channels [:k] (0 = all).")
@@ -52,17 +60,24 @@ _OUT = flags.DEFINE_string("out", None, "Output directory.")
 _VAE = flags.DEFINE_string("vae", None, "Latent runs: converted VAE directory to decode with.")
 
 
-def sample_config(base):
+def sample_config(base, task_name: str = "sit"):
   c = base.copy_and_resolve_references()
   for flag, key in ((_MODE, "mode"), (_METHOD, "method"), (_STEPS, "num_steps"),
                     (_CFG, "cfg_scale"), (_CFG_CHANNELS, "cfg_channels")):
     if flag.value is not None:
+      if key not in c:
+        raise ValueError(f"--{flag.name} is not allowed for a {task_name} run")
       c[key] = flag.value
   if _CFG_INTERVAL.value is not None:
+    if "cfg_interval" not in c:
+      raise ValueError(f"--cfg_interval is not allowed for a {task_name} run")
     c.cfg_interval = tuple(float(v) for v in _CFG_INTERVAL.value)
-  validate.check_choice("mode", c.mode, ("ode", "sde"))
-  methods = samplers.ODE_METHODS if c.mode == "ode" else samplers.SDE_METHODS
-  validate.check_choice("method", c.method.lower(), methods)
+  if task_name == "uvit":
+    modes = tasks.UViTTask.SAMPLERS
+  else:
+    modes = {"ode": samplers.ODE_METHODS, "sde": samplers.SDE_METHODS}
+  validate.check_choice("mode", c.mode, tuple(modes))
+  validate.check_choice("method", c.method.lower(), modes[c.mode])
   if c.num_steps < 2:
     raise ValueError(f"steps={c.num_steps} is not allowed; it must be >= 2")
   return c
@@ -76,9 +91,10 @@ def load_vae(directory, config, model):
   if not paths.exists(paths.join(directory, "model.json")):
     raise ValueError(f"vae={directory!r} is not allowed; it is not a converted VAE directory")
   vae, params = checkpoint.load_params(directory, "vae")
-  if type(vae).__name__ != "AutoencoderKL" or vae.latent_channels != model.in_channels:
+  channels = model.in_chans if hasattr(model, "in_chans") else model.in_channels
+  if type(vae).__name__ != "AutoencoderKL" or vae.latent_channels != channels:
     raise ValueError(f"vae={directory!r} is not allowed; it is not a VAE with "
-                     f"{model.in_channels} latent channels")
+                     f"{channels} latent channels")
   meta = paths.join(latents_lib.path_of(config.data.dataset), "meta.json")
   if paths.exists(meta):
     scale = paths.read_json(meta).get("scale")
@@ -102,9 +118,9 @@ def main(argv):
       raise ValueError("workdir is required")
     if _NUM.value < 1:
       raise ValueError(f"num={_NUM.value} is not allowed; it must be >= 1")
-    config = checkpoint.run_config(_WORKDIR.value, task="sit")
+    config = checkpoint.run_config(_WORKDIR.value, task=("sit", "uvit"))
     info, model, mesh = trainer.check_config(config)
-    scfg = sample_config(config.sample)
+    scfg = sample_config(config.sample, config.task)
     params, step = checkpoint.restore_run_params(_WORKDIR.value, mesh, _STEP.value,
                                                  _WEIGHTS.value)
     vae, vae_params = load_vae(_VAE.value, config, model) if _VAE.value else (None, None)
@@ -118,7 +134,8 @@ def main(argv):
   per = mesh.size
   batch = _BATCH.value or scfg.batch_size
   batch = max(per, (batch // per) * per)
-  shape = (model.input_size, model.input_size, model.in_channels)
+  shape = task.sample_shape()
+  classes = task.num_labels  # unconditional U-ViT: 1 (labels are written, not used)
   base = jax.random.key(_SEED.value)
   sharding = shd.batch_sharding(mesh)
 
@@ -129,9 +146,9 @@ def main(argv):
     noise = jax.vmap(lambda k: jax.random.normal(jax.random.fold_in(k, 0), shape))(keys)
     if _LABELS.value == "uniform":
       labels = jax.vmap(lambda k: jax.random.randint(jax.random.fold_in(k, 1), (),
-                                                     0, model.num_classes))(keys)
+                                                     0, classes))(keys)
     else:
-      labels = indices % model.num_classes
+      labels = indices % classes
     return noise, labels
 
   run = jax.jit(lambda p, x, y, k: task.sample(p, x, y, k, scfg),

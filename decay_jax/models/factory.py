@@ -24,7 +24,7 @@ MODEL_CLASSES = {"MaskedAutoencoder": mae_lib.MaskedAutoencoder, "SiT": sit_lib.
                  "AutoencoderKL": vae_lib.AutoencoderKL,
                  "FIDInceptionV3": inception_lib.FIDInceptionV3,
                  "ViTClassifier": vit_lib.ViTClassifier, "UViT": uvit_lib.UViT}
-TASKS = ("mae", "sit", "finetune")
+TASKS = ("mae", "sit", "finetune", "uvit")
 
 
 def build_model(config, info: dict, pretrained=None):
@@ -54,6 +54,11 @@ def build_model(config, info: dict, pretrained=None):
     if config.task == "mae":
       m.update(img_size=info["image_size"], in_chans=info["channels"])
       return mae_lib.mae(preset, **m)
+    if config.task == "uvit":  # the data's classes, plus the null label when labels are dropped
+      classes = info["num_classes"] + (config.diffusion.class_dropout_prob > 0)
+      m.update(img_size=info["image_size"], in_chans=info["channels"],
+               num_classes=classes if m.pop("conditional") else -1)
+      return uvit_lib.uvit(preset, **m)
     m.update(input_size=info["image_size"], in_channels=info["channels"])
     return sit_lib.sit(preset, **m)
   except ValueError as e:

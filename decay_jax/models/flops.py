@@ -60,6 +60,22 @@ def sit_forward_flops(m) -> float:
   return 2.0 * macs
 
 
+def uvit_forward_flops(m) -> float:
+  """Forward FLOPs of one example through ``UViT`` ``m``: ``2K + 1`` blocks on ``extras + N``
+  tokens, the long-skip Linears (``[x ; s]`` of width 2D, or D for 'add'), patch embedding, the
+  optional time MLP, ``decoder_pred`` on every token and the final 3x3 conv. S/2 at 32 px:
+  24.4 GFLOP (spec 7's cost estimate)."""
+  t, d = m.extras + m.num_patches, m.dim
+  patch_dim = m.patch_size ** 2 * m.in_chans
+  macs = m.num_patches * patch_dim * d
+  macs += m.num_blocks * _block_macs(t, d, m.mlp_ratio)
+  macs += m.half * t * d * d * {"concat": 2, "add": 1, "none": 0}[m.skip_mode]
+  macs += 8 * d * d if m.mlp_time_embed else 0
+  macs += t * d * patch_dim
+  macs += m.img_size ** 2 * 9 * m.in_chans ** 2 if m.conv else 0
+  return 2.0 * macs
+
+
 # Dense bf16 peak FLOP/s per device (vendor figures), for MFU. Unknown kinds (e.g. CPUs) give 0 and
 # no MFU is reported; set ``peak_tflops_per_device`` in the config to override.
 PEAK_TFLOPS_BF16 = {

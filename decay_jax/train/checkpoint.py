@@ -204,8 +204,8 @@ def _overlay(base, saved: dict) -> None:
 def run_config(workdir: str, task: Optional[str] = None):
   """The config a run was trained with (``workdir/config.json``) over today's task defaults.
 
-  Fields added to the code after the run take today's defaults. ``task`` ('mae' or 'sit')
-  rejects runs of the other task with a one-line error.
+  Fields added to the code after the run take today's defaults. ``task`` (a task name or a tuple
+  of them) rejects runs of other tasks with a one-line error.
   """
   path = paths.resolve(workdir) / "config.json"
   if not path.exists():
@@ -213,10 +213,12 @@ def run_config(workdir: str, task: Optional[str] = None):
                           "of decay_jax.main or decay_jax.cli.compare)")
   with _reading("workdir", workdir, "a run's config.json (JSON written by decay_jax.main)"):
     saved = paths.read_json(path)
-  if task is not None and saved.get("task") != task:
+  wanted = (task,) if isinstance(task, str) else task
+  if wanted is not None and saved.get("task") not in wanted:
     raise ValueError(f"workdir={workdir!r} is not allowed; its task is {saved.get('task')!r}, "
-                     f"this command needs {task!r}")
-  defaults = {"mae": config_lib.mae_config, "finetune": config_lib.finetune_config}
+                     f"this command needs {' or '.join(repr(t) for t in wanted)}")
+  defaults = {"mae": config_lib.mae_config, "finetune": config_lib.finetune_config,
+              "uvit": config_lib.uvit_config}
   base = defaults.get(saved.get("task"), config_lib.sit_config)()
   _overlay(base, saved)
   return ml_collections.ConfigDict(base.to_dict())

@@ -1,6 +1,7 @@
 """Default training configs (ml_collections) and their validation.
 
-Config files in ``configs/`` start from ``mae_config()`` or ``sit_config()`` and override fields;
+Config files in ``configs/`` start from ``mae_config()``, ``finetune_config()``, ``sit_config()`` or
+``uvit_config()`` and override fields;
 every field can be overridden on the command line (``--config.model.alpha_min=0.7``). The configs
 are locked, so a misspelt override fails at once. ``validate`` turns every bad value into a
 one-line ``ValueError`` naming the field, before anything is compiled.
@@ -23,6 +24,7 @@ def _common(task: str) -> mlc.ConfigDict:
   c.accum_steps = 1  # microbatches per step (the batch is split inside the jitted step)
   c.num_epochs = 1.0
   c.num_train_steps = -1  # > 0 overrides num_epochs
+  c.warmup_steps = -1  # > 0 overrides warmup_epochs
   c.ema_decay = 0.0  # > 0 keeps an EMA of the parameters in the train state (SiT: 0.9999)
   c.warmup_epochs = 0.0
   c.mesh = mlc.ConfigDict(dict(data=-1, fsdp=1))
@@ -165,6 +167,44 @@ def sit_config() -> mlc.ConfigDict:
   return c
 
 
+def uvit_config() -> mlc.ConfigDict:
+  """U-ViT training defaults: baofff/U-ViT's ``cifar10_uvit_small`` recipe (docs/uvit.md) at S/2.
+
+  AdamW lr 2e-4, betas (0.99, 0.999), weight decay 0.03 on every parameter, linear warmup over
+  2,500 steps then constant, EMA 0.9999, batch 128, 500K steps, images in [-1, 1] with random
+  horizontal flips, the continuous VPSDE, DPM-Solver-fast with 50 model calls for samples.
+  """
+  c = _common("uvit")
+  c.model = _model_fields()
+  c.model.preset = "S/2"
+  c.model.alpha_min = 0.7
+  c.model.mode = "decayed"  # 'uvit_original': alpha 1 and U-ViT's init, bit for bit
+  c.model.skip_mode = "concat"
+  c.model.zero_init_branches = True
+  c.model.conditional = False  # True: label token; num_classes from the data (+1 with dropout)
+  c.data.dataset = "cifar10"
+  c.data.image_size = 32
+  c.data.normalize = "half"
+  c.data.eval_split = "test"
+  c.data.crop_scale = (1.0, 1.0)  # the whole image, flipped at random: U-ViT's CIFAR transform
+  c.data.crop_ratio = (1.0, 1.0)
+  c.batch_size = 128
+  c.num_train_steps = 500_000
+  c.warmup_steps = 2500
+  c.ema_decay = 0.9999
+  c.optim = mlc.ConfigDict(dict(base_lr=0.0, lr=2e-4, schedule="warmup_constant", b1=0.99,
+                                b2=0.999, eps=1e-8, weight_decay=0.03, decay_params="all",
+                                min_lr=0.0, grad_clip_norm=0.0))
+  c.diffusion = mlc.ConfigDict(dict(schedule="vpsde", class_dropout_prob=0.0))
+  c.sample = mlc.ConfigDict(dict(mode="dpm", method="fast", num_steps=50, cfg_scale=0.0,
+                                 grid_size=16, batch_size=64))
+  c.picture_every_steps = 10_000
+  c.checkpoint.every_steps = 5000
+  c.checkpoint.keep_every_steps = 50_000
+  c.log_every_steps = 100
+  return c
+
+
 def steps_for(config, num_train: int):
   """``(total optimiser steps, warmup steps)`` from epochs or ``num_train_steps``."""
   if config.num_train_steps <= 0 and not num_train:
@@ -173,7 +213,8 @@ def steps_for(config, num_train: int):
   steps_per_epoch = (num_train or 0) / config.batch_size
   total = (config.num_train_steps if config.num_train_steps > 0
            else max(1, int(round(config.num_epochs * steps_per_epoch))))
-  warmup = int(round(config.warmup_epochs * steps_per_epoch))
+  warmup = (config.warmup_steps if config.get("warmup_steps", -1) > 0
+            else int(round(config.warmup_epochs * steps_per_epoch)))
   return total, min(warmup, total)
 
 
@@ -193,11 +234,29 @@ def validate(config) -> None:
     raise validate_lib.not_allowed(
         "data.image_size", config.data.image_size,
         f"it must be a multiple of the patch size {patch} of model.preset={config.model.preset!r}")
-  validate_lib.check_choice("optim.schedule", config.optim.schedule, ("warmup_cosine", "constant"))
+  validate_lib.check_choice("optim.schedule", config.optim.schedule,
+                            ("warmup_cosine", "warmup_constant", "constant"))
+  validate_lib.check_choice("optim.decay_params", config.optim.get("decay_params", "matrices"),
+                            ("matrices", "all"))
   if not (config.optim.get("lr") or config.optim.base_lr > 0):
     raise ValueError("optim.lr or optim.base_lr must be > 0")
   validate_lib.check_range("ema_decay", config.ema_decay, 0.0, 1.0, high_open=True)
   validate_lib.check_range("optim.weight_decay", config.optim.weight_decay, 0.0)
+  if config.task == "uvit":
+    validate_lib.check_choice("diffusion.schedule", config.diffusion.schedule,
+                              ("vpsde", "discrete"))
+    validate_lib.check_range("diffusion.class_dropout_prob", config.diffusion.class_dropout_prob,
+                             0.0, 1.0, high_open=True)
+    if config.diffusion.class_dropout_prob > 0 and not config.model.conditional:
+      raise validate_lib.not_allowed(
+          "diffusion.class_dropout_prob", config.diffusion.class_dropout_prob,
+          "an unconditional model (model.conditional=False) has no labels to drop; use 0")
+    modes = {"dpm": ("fast", "pp"), "sde": ("euler",), "ode": ("euler",)}
+    validate_lib.check_choice("sample.mode", config.sample.mode, tuple(modes))
+    validate_lib.check_choice("sample.method", config.sample.method, modes[config.sample.mode])
+    if config.sample.mode != "dpm" and config.diffusion.schedule != "vpsde":
+      raise validate_lib.not_allowed("sample.mode", config.sample.mode,
+                                     "the Euler samplers need diffusion.schedule='vpsde'")
   if config.task == "finetune":
     validate_lib.check_range("optim.layer_decay", config.optim.layer_decay, 0.0, 1.0,
                              low_open=True)

@@ -3,7 +3,9 @@
 MAE: AdamW(b1 0.9, b2 0.95, eps 1e-8), decoupled weight decay 0.05 on every tensor of rank >= 2
 (cls, decoder cls and mask tokens included: they are 3-D) and on nothing else,
 ``lr = base_lr * effective_batch / 256``, linear warmup from 0 then half-cycle cosine to ``min_lr``,
-updated every optimiser step. SiT: AdamW(0.9, 0.999), lr 1e-4 constant, weight decay 0.
+updated every optimiser step. SiT: AdamW(0.9, 0.999), lr 1e-4 constant, weight decay 0. U-ViT:
+AdamW(0.99, 0.999), weight decay 0.03 on every parameter (``decay_params='all'``), ``lr(s) = peak
+min(s / W, 1)`` (``warmup_constant``).
 
 ``optax.adamw`` is torch's AdamW: the decay term is multiplied by the learning rate and eps sits
 outside the square root.
@@ -17,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-SCHEDULES = ("warmup_cosine", "constant")
+SCHEDULES = ("warmup_cosine", "warmup_constant", "constant")
 
 
 def peak_lr(optim_cfg, batch_size: int) -> float:
@@ -36,6 +38,9 @@ def lr_schedule(optim_cfg, batch_size: int, total_steps: int, warmup_steps: int)
   peak = peak_lr(optim_cfg, batch_size)
   if optim_cfg.schedule == "constant":
     return lambda step: jnp.full((), peak, jnp.float32)
+  if optim_cfg.schedule == "warmup_constant":  # U-ViT: LambdaLR min(s / W, 1); lr 0 at step 0
+    return lambda step: peak * jnp.minimum(jnp.asarray(step, jnp.float32) / max(warmup_steps, 1),
+                                           1.0)
   min_lr = float(optim_cfg.get("min_lr", 0.0))
   decay = max(total_steps - warmup_steps, 1)
 
@@ -70,8 +75,10 @@ def weight_decay_mask(params, stacked: tuple = ("blocks", "enc_blocks", "dec_blo
 def make_optimizer(optim_cfg, batch_size: int, total_steps: int, warmup_steps: int):
   """Returns ``(optax transformation, lr schedule)``."""
   schedule = lr_schedule(optim_cfg, batch_size, total_steps, warmup_steps)
+  everything = optim_cfg.get("decay_params", "matrices") == "all"  # U-ViT: torch AdamW, no groups
   tx = optax.adamw(schedule, b1=optim_cfg.b1, b2=optim_cfg.b2, eps=optim_cfg.eps,
-                   weight_decay=optim_cfg.weight_decay, mask=weight_decay_mask)
+                   weight_decay=optim_cfg.weight_decay,
+                   mask=None if everything else weight_decay_mask)
   if optim_cfg.get("grad_clip_norm"):
     tx = optax.chain(optax.clip_by_global_norm(optim_cfg.grad_clip_norm), tx)
   return tx, schedule

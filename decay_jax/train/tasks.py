@@ -1,4 +1,5 @@
-"""Tasks: what differs between MAE and SiT training (model, loss, metrics, pictures, FLOPs).
+"""Tasks: what differs between MAE, fine-tuning, SiT and U-ViT training (model, loss, metrics,
+pictures, FLOPs).
 
 The trainer (``decay_jax.train.trainer``) is one loop; a task supplies
   * ``model`` and ``init_inputs(batch)``: the Flax module and the arguments of its ``init``;
@@ -23,8 +24,9 @@ import numpy as np
 
 from decay_jax.data import mixup
 from decay_jax.models import flops, layers
-from decay_jax.diffusion import samplers
+from decay_jax.diffusion import dpm_solver, samplers
 from decay_jax.diffusion import transport as transport_lib
+from decay_jax.diffusion import vp
 from decay_jax.models import mae as mae_lib
 from decay_jax.models import routing
 from decay_jax.models import sit as sit_lib
@@ -45,6 +47,33 @@ def grid(rows, pad: int = 2) -> np.ndarray:
     for j, im in enumerate(row):
       out[pad + i * (h + pad):pad + i * (h + pad) + h, pad + j * (w + pad):pad + j * (w + pad) + w] = im
   return out
+
+
+def loss_by_time(per_example, t, buckets: int = 4) -> Dict[str, jax.Array]:
+  """Mean loss per quarter of the time interval: ``per_example (N,)``, ``t (N,)`` in [0, 1]."""
+  bucket = jnp.clip((t * buckets).astype(jnp.int32), 0, buckets - 1)
+  out = {}
+  for b in range(buckets):
+    w = (bucket == b).astype(jnp.float32)
+    out[f"loss_by_t/{b / buckets:.2f}-{(b + 1) / buckets:.2f}"] = (
+        (per_example * w).sum() / jnp.maximum(w.sum(), 1.0))
+  return out
+
+
+def sample_grid(task, params, rng, n: int):
+  """``(images, labels, uint8 grid)``: ``n`` samples of a diffusion task from noise drawn from
+  ``rng`` with labels ``0, 1, 2, ...`` (ignored by unconditional models), rows of ``ceil(sqrt n)``."""
+  noise = jax.random.normal(rng, (n,) + task.sample_shape())
+  labels = jnp.arange(n) % task.num_labels
+  if task._sample_fn is None:  # pylint: disable=protected-access
+    task._sample_fn = jax.jit(task.sample)  # pylint: disable=protected-access
+  images = np.asarray(task._sample_fn(params, noise, labels, jax.random.fold_in(rng, 1)))  # pylint: disable=protected-access
+  cols = int(np.ceil(np.sqrt(n)))
+  rows = [to_uint8(images[i:i + cols], task.mean, task.std) for i in range(0, n, cols)]
+  if rows[-1].shape[0] < cols:  # pad the last row with white tiles
+    pad = np.full((cols - rows[-1].shape[0],) + rows[-1].shape[1:], 255, np.uint8)
+    rows[-1] = np.concatenate([rows[-1], pad])
+  return images, labels, grid(rows)
 
 
 class MAETask:
@@ -164,7 +193,6 @@ class SiTTask:
   name = "sit"
   picture_needs_batch = False  # samples from fixed noise
   picture_name = "samples"
-  BUCKETS = 4
 
   def __init__(self, model: sit_lib.SiT, transport_cfg=None, sample_cfg=None, mean=(0.0,),
                std=(1.0,)):
@@ -176,9 +204,18 @@ class SiTTask:
     self._sample_fn = None
 
   def init_inputs(self, batch: int):
-    m = self.model
-    return (jnp.zeros((batch, m.input_size, m.input_size, m.in_channels), jnp.float32),
+    return (jnp.zeros((batch,) + self.sample_shape(), jnp.float32),
             jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), jnp.int32))
+
+  def sample_shape(self) -> Tuple[int, int, int]:
+    """One sample's ``(H, W, C)``."""
+    m = self.model
+    return (m.input_size, m.input_size, m.in_channels)
+
+  @property
+  def num_labels(self) -> int:
+    """Labels to sample from (the null class, index ``num_classes``, is not one)."""
+    return self.model.num_classes
 
   def prepare(self, batch, rng):
     """Adds the times ``t (N,)``, the noise ``x0`` (like the image) and the classifier-free
@@ -195,13 +232,7 @@ class SiTTask:
                                                  force_drop_ids=batch["drop"])
     per_example = self.transport.loss(model_fn, x1, batch["x0"], t, y=y)
     loss = per_example.mean()
-    metrics = {"loss": loss}
-    bucket = jnp.clip((t * self.BUCKETS).astype(jnp.int32), 0, self.BUCKETS - 1)
-    for b in range(self.BUCKETS):
-      w = (bucket == b).astype(jnp.float32)
-      metrics[f"loss_by_t/{b / self.BUCKETS:.2f}-{(b + 1) / self.BUCKETS:.2f}"] = (
-          (per_example * w).sum() / jnp.maximum(w.sum(), 1.0))
-    return loss, metrics
+    return loss, dict(loss_by_time(per_example, t), loss=loss)
 
   def sample(self, params, noise, labels, rng, cfg=None):
     """Images from noise ``(N, H, W, C)`` and labels ``(N,)`` with the sampler of ``cfg``
@@ -231,22 +262,113 @@ class SiTTask:
     given): an EMA of 0.999 or 0.9999 keeps the routing near its uniform start for thousands of
     steps, while the trained weights show where the routing is heading."""
     m = self.model
-    n = num or self.sample_cfg.grid_size
-    noise = jax.random.normal(rng, (n, m.input_size, m.input_size, m.in_channels))
-    labels = jnp.arange(n) % m.num_classes
-    if self._sample_fn is None:
-      self._sample_fn = jax.jit(self.sample)
-    images = np.asarray(self._sample_fn(params, noise, labels, jax.random.fold_in(rng, 1)))
-    cols = int(np.ceil(np.sqrt(n)))
-    rows = [to_uint8(images[i:i + cols], self.mean, self.std) for i in range(0, n, cols)]
-    if rows[-1].shape[0] < cols:  # pad the last row with white tiles
-      pad = np.full((cols - rows[-1].shape[0],) + rows[-1].shape[1:], 255, np.uint8)
-      rows[-1] = np.concatenate([rows[-1], pad])
+    images, labels, picture = sample_grid(self, params, rng, num or self.sample_cfg.grid_size)
     if m.residual_routing in routing.ROUTED:  # routing weights per sublayer, next to the samples
-      return routing.side_by_side(grid(rows), routing.routing_picture(
+      return routing.side_by_side(picture, routing.routing_picture(
           m, params if live is None else live, self.transport, images, labels,
           jax.random.fold_in(rng, 2)))
-    return grid(rows)
+    return picture
 
   def train_flops_per_example(self) -> float:
     return 3.0 * flops.sit_forward_flops(self.model)
+
+
+class UViTTask:
+  """U-ViT noise-prediction training (docs/uvit.md; baofff/U-ViT ``sde.py`` / ``train.py``).
+
+  ``x_t = sqrt(ab(t)) x_0 + sqrt(1 - ab(t)) eps`` with ``t ~ U[0, 1)`` on the continuous VPSDE
+  (``diffusion.schedule='vpsde'``, network time 999 t) or ``n ~ U{1..1000}`` on the discrete SD
+  schedule ('discrete', network time n); the loss is ``mean over (H, W, C) of (eps - eps_hat)^2``,
+  averaged over the batch, unweighted. Conditional models (``num_classes > 0``) trained with
+  ``diffusion.class_dropout_prob > 0`` see their last class index as the null label with that
+  probability (U-ViT's dataset-level dropout). Sampling: DPM-Solver-fast (``sample.mode='dpm'``,
+  ``method='fast'``, ``num_steps`` = model calls), DPM-Solver++ ('pp'), or Euler-Maruyama
+  (``mode`` 'sde' / 'ode', ``method='euler'``); guidance ``eps_c + s (eps_c - eps_null)`` with
+  ``s = cfg_scale`` when it is not 0.
+  """
+  name = "uvit"
+  picture_needs_batch = False
+  picture_name = "samples"
+  SAMPLERS = {"dpm": ("fast", "pp"), "sde": ("euler",), "ode": ("euler",)}
+
+  def __init__(self, model, diffusion_cfg, sample_cfg=None, mean=(0.0,), std=(1.0,)):
+    self.model = model
+    self.schedule = (vp.VPSDE() if diffusion_cfg.schedule == "vpsde" else vp.DiscreteVP())
+    self.class_dropout_prob = float(diffusion_cfg.class_dropout_prob)
+    self.sample_cfg = sample_cfg
+    self.mean, self.std = mean, std
+    self._sample_fn = None
+
+  @property
+  def null_label(self) -> Optional[int]:
+    """The label index that means "no class" (the last one), when trained with dropout."""
+    return self.model.num_classes - 1 if self.class_dropout_prob > 0 else None
+
+  def sample_shape(self) -> Tuple[int, int, int]:
+    m = self.model
+    return (m.img_size, m.img_size, m.in_chans)
+
+  @property
+  def num_labels(self) -> int:
+    """Labels to sample from: the classes without the null label (1 for unconditional models)."""
+    return max(self.model.num_classes - (self.null_label is not None), 1)
+
+  def init_inputs(self, batch: int):
+    y = jnp.zeros((batch,), jnp.int32) if self.model.conditional else None
+    return (jnp.zeros((batch,) + self.sample_shape(), jnp.float32), jnp.zeros((batch,), jnp.float32),
+            y)
+
+  def prepare(self, batch, rng):
+    """Adds the training times ``t (N,)`` (steps n for 'discrete'), the noise ``eps`` and, for
+    conditional models, the labels ``y (N,)`` after dropout to the null label."""
+    x0 = batch["image"]
+    k_t, k_noise, k_drop = jax.random.split(rng, 3)
+    out = dict(batch, t=self.schedule.sample_time(k_t, x0.shape[0]),
+               eps=jax.random.normal(k_noise, x0.shape))
+    if self.model.conditional:
+      y = batch["label"].astype(jnp.int32)
+      if self.null_label is not None:
+        drop = jax.random.uniform(k_drop, y.shape) < self.class_dropout_prob
+        y = jnp.where(drop, self.null_label, y)
+      out["y"] = y
+    return out
+
+  def loss(self, params, batch):
+    model_fn = lambda x, t, y=None: self.model.apply({"params": params}, x, t, y)
+    kwargs = {"y": batch["y"]} if self.model.conditional else None
+    per_example = self.schedule.per_example_loss(model_fn, batch["image"], batch["eps"],
+                                                 batch["t"], kwargs)
+    loss = per_example.mean()
+    t01 = batch["t"] / getattr(self.schedule, "num_steps", 1)  # discrete steps -> (0, 1]
+    return loss, dict(loss_by_time(per_example, t01), loss=loss)
+
+  def sample(self, params, noise, labels, rng, cfg=None):
+    """Images from noise ``(N, H, W, C)`` (and labels ``(N,)``, ignored without classes) with the
+    sampler of ``cfg`` (default: this task's ``sample_cfg``)."""
+    c = cfg or self.sample_cfg
+    m = self.model
+    model_fn = lambda x, t, y=None: m.apply({"params": params}, x, t, y)
+    kwargs = None
+    if m.conditional:
+      kwargs = {"y": labels}
+      if c.cfg_scale:
+        if self.null_label is None:
+          raise ValueError(f"sample.cfg_scale={c.cfg_scale} is not allowed; the model was "
+                           "trained without label dropout (diffusion.class_dropout_prob 0)")
+        model_fn = dpm_solver.cfg_eps(model_fn, c.cfg_scale, self.null_label)
+    if c.mode == "dpm" and c.method == "fast":
+      return dpm_solver.dpm_solver_fast(model_fn, noise, self.schedule, nfe=c.num_steps,
+                                        model_kwargs=kwargs)
+    if c.mode == "dpm":
+      return dpm_solver.dpm_solver_pp(model_fn, noise, self.schedule, steps=c.num_steps,
+                                      model_kwargs=kwargs)
+    return dpm_solver.euler_maruyama(model_fn, noise, self.schedule, rng, c.num_steps,
+                                     ode=c.mode == "ode", model_kwargs=kwargs)
+
+  def picture(self, params, batch, rng, num: Optional[int] = None, live=None) -> np.ndarray:
+    """A grid of samples from fixed noise (from ``rng``) and labels ``0, 1, 2, ...``."""
+    del batch, live
+    return sample_grid(self, params, rng, num or self.sample_cfg.grid_size)[2]
+
+  def train_flops_per_example(self) -> float:
+    return 3.0 * flops.uvit_forward_flops(self.model)

@@ -40,6 +40,8 @@ def make_task(config, model, info):
     return tasks.MAETask(model, mean=mean, std=std)
   if config.task == "finetune":
     return tasks.FinetuneTask(model, config.mixup, mean=mean, std=std)
+  if config.task == "uvit":
+    return tasks.UViTTask(model, config.diffusion, config.sample, mean=mean, std=std)
   return tasks.SiTTask(model, config.transport.to_dict(), config.sample, mean=mean, std=std)
 
 
