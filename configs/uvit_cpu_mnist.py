@@ -34,4 +34,12 @@ def get_config():
   c.log_every_steps = 50
   c.picture_every_steps = 1000
   c.checkpoint.every_steps = 500
+  # `python -m decay_jax.cli.evaluate --workdir=...`: the probe of the demo MAE's evaluation, on
+  # the diffusion features (decay_jax.evals.diffusion_probe); patch tokens only, so "mean" is
+  # their mean and the cls choices do not apply.
+  for name in ("knn", "linear", "layers"):
+    c.evals[name].update(eval_split="test", max_train_examples=0, batch_size=500)
+  c.evals.layers.max_eval_examples = 0
+  c.evals.linear.features = "mean,mean_ln"
+  c.evals.linear.official.epochs = 100
   return c

@@ -1,6 +1,6 @@
 """U-ViT as the trainer's third diffusion task: a real run of the CPU config (shrunk), its loss and
-optimiser against U-ViT's recipe, then the sample command on the run; conditional training with
-label dropout; one-line errors for bad settings."""
+optimiser against U-ViT's recipe, then the sample and evaluate commands on the run (the
+diffusion-feature probe); conditional training with label dropout; one-line errors."""
 
 import json
 import os
@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from decay_jax.diffusion import vp
+from decay_jax.evals import diffusion_probe
 from decay_jax.train import config as config_lib
 from decay_jax.train import optim, trainer
 from testing_configs import load_config, override
@@ -27,7 +28,10 @@ def tiny(**overrides):
       "data.image_size": 16, "batch_size": 16, "num_train_steps": 6, "warmup_steps": 2,
       "log_every_steps": 2, "picture_every_steps": 6, "checkpoint.every_steps": 6,
       "checkpoint.async_save": False, "mesh.data": 1, "tensorboard": False,
-      "sample.num_steps": 6, "sample.grid_size": 4}, **overrides))
+      "sample.num_steps": 6, "sample.grid_size": 4,
+      "evals.knn.max_train_examples": 512, "evals.knn.max_eval_examples": 256,
+      "evals.layers.max_train_examples": 512, "evals.layers.max_eval_examples": 256,
+      "evals.layers.probe_epochs": 2, "evals.layers.probe_batch_size": 64}, **overrides))
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +163,51 @@ def test_discrete_schedule_trains_on_integer_steps():
                        jax.random.key(0))
   n = np.asarray(batch["t"])
   assert n.dtype == np.int32 and n.min() >= 1 and n.max() <= 1000
+
+
+def test_probe_features_are_the_noised_block_outputs_of_each_image():
+  config = tiny()
+  info, model, _ = trainer.check_config(config)
+  probe = diffusion_probe.probed(model, 0.1)
+  params = jax.jit(lambda: model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 1)),
+                                      jnp.zeros((1,)))["params"])()
+  params = jax.tree_util.tree_map(
+      lambda p: p + 0.05 * jax.random.normal(jax.random.key(p.size), p.shape), params)
+  images = jax.random.uniform(jax.random.key(5), (5, 16, 16, 1), minval=-1, maxval=1)
+  feats = jax.jit(lambda p, x: probe.apply({"params": p}, x, method=probe.features))
+  out = feats(params, images)
+  assert out.shape == (7, 5, 16, 128)  # 3 in + mid + 3 out blocks, 16 patch tokens, width 128
+  # an image's features do not depend on its batch or position
+  np.testing.assert_allclose(feats(params, images[::-1])[:, ::-1], out, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(feats(params, images[2:3])[:, 0], out[:, 2], rtol=1e-5, atol=1e-5)
+  # = the blocks of sqrt(ab) x + sqrt(1 - ab) eps at network time 99.9, time token dropped
+  eps = jax.vmap(lambda k: jax.random.normal(k, (16, 16, 1)))(
+      diffusion_probe.fingerprint_keys(images))
+  assert abs(float(eps.std()) - 1) < 0.15 and float(jnp.abs(eps[0] - eps[1]).max()) > 0.5
+  ab = np.exp(-(0.1 * 0.1 + 9.95 * 0.01))
+  x_t = np.sqrt(ab) * images + np.sqrt(1 - ab) * eps
+  want = model.apply({"params": params}, x_t, jnp.full((5,), 99.9), method=model.block_outputs)
+  np.testing.assert_allclose(out, want[:, :, 1:], rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="probe_t=1.5 is not allowed"):
+    diffusion_probe.probed(model, 1.5)
+
+
+def test_evaluate_command_probes_the_run(run):
+  workdir, _ = run
+  out = os.path.join(workdir, "evaluation")
+  proc = subprocess.run(
+      [sys.executable, "-m", "decay_jax.cli.evaluate", f"--workdir={workdir}", "--evals=knn,layers",
+       f"--out={out}"], cwd=REPO, capture_output=True, text=True, timeout=600,
+      env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  record = json.load(open(os.path.join(out, "evaluation.json")))["models"][0]
+  s = record["sections"]
+  assert 0.1 < s["knn"]["top1"] <= 1.0 and s["knn"]["num_train"] == 512  # chance is 0.1
+  assert len(s["layers"]["knn_top1"]) == 7 and s["layers"]["knn"]["last"] == s["layers"]["knn_top1"][-1]
+  assert record["model"]["alpha_min"] == 0.7 and len(record["model"]["alphas"]) == 7
+  proc = subprocess.run(
+      [sys.executable, "-m", "decay_jax.cli.evaluate", f"--workdir={workdir}", "--evals=rank",
+       f"--out={out}"], cwd=REPO, capture_output=True, text=True, timeout=600,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+      "is a U-ViT run: its evaluators are knn, linear and layers (--evals=knn,linear,layers)")

@@ -5,7 +5,8 @@
         --config.data.data_dir=$TFDS_DIR --config.evals.linear.protocols=official,mae
 
 ``--workdir`` is a training run of ``decay_jax.main`` / ``decay_jax.cli.compare`` (its newest checkpoint,
-or ``--step``); ``--checkpoint`` a params directory written by ``python -m decay_jax.io.convert`` (the
+or ``--step``), an MAE or a U-ViT (whose representation is probed at noise level ``--probe_t``,
+``decay_jax.evals.diffusion_probe``; its evaluators are knn, linear and layers); ``--checkpoint`` a params directory written by ``python -m decay_jax.io.convert`` (the
 official PyTorch weights). Both flags take comma-separated lists and may be combined: every model
 gets its own table and the plots overlay them. Data and evaluator settings come from ``--config``
 (with ``--config.evals.<name>.<field>=...`` overrides) when given, otherwise from the run's saved
@@ -41,7 +42,7 @@ from ml_collections import config_flags
 from decay_jax import logs, paths
 from decay_jax import sharding as shd
 from decay_jax.cli import errors
-from decay_jax.evals import registry, report, suite
+from decay_jax.evals import diffusion_probe, registry, report, suite
 from decay_jax.train import checkpoint as ckpt_lib
 
 EVALS = tuple(registry.EVALUATORS) + ("finetune",)
@@ -56,6 +57,8 @@ _FINETUNE_CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_list("workdir", [], "Training workdirs (their newest checkpoint).")
 _CHECKPOINT = flags.DEFINE_list("checkpoint", [], "Converted params dirs (decay_jax.io.convert).")
 _NAMES = flags.DEFINE_list("names", [], "Labels of the models (default: directory names).")
+_PROBE_T = flags.DEFINE_float("probe_t", 0.01, "U-ViT runs: the noise level t_p of the "
+                              "diffusion-feature probe (decay_jax.evals.diffusion_probe).")
 _EVALS = flags.DEFINE_list("evals", list(registry.EVALUATORS),
                            "Evaluators to run: " + ", ".join(EVALS) + " (finetune is added by "
                            "--finetune_config)")
@@ -76,9 +79,9 @@ def _models(mesh):
   for (kind, path), label in zip(given_paths, labels):
     path = str(paths.resolve(path))
     if kind == "workdir":
-      run_cfg = ckpt_lib.run_config(path, task="mae")
+      run_cfg = ckpt_lib.run_config(path, task=("mae", "uvit"))
       params, step = ckpt_lib.restore_run_params(path, mesh, _STEP.value, _WEIGHTS.value)
-      model = suite.run_model(run_cfg, params)
+      model = suite.run_model(run_cfg, params, _PROBE_T.value)
       source = {"workdir": path, "step": step, "weights": _WEIGHTS.value}
       data_cfg, evals_cfg = (given.data, given.evals) if given else (run_cfg.data, run_cfg.evals)
     else:
@@ -158,7 +161,13 @@ def main(argv):
   try:
     mesh = shd.make_mesh(-1, _FSDP.value)
     for label, model, params, data_cfg, evals_cfg, source in _models(mesh):
-      record = suite.evaluate_model(label, model, params, data_cfg, evals_cfg, frozen, mesh,
+      here = frozen
+      if isinstance(model, diffusion_probe.ProbedUViT):  # rank and branch ratios are MAE's
+        if (_EVALS.present and "rank" in frozen) or "finetune" in names:
+          raise ValueError(f"workdir={source['workdir']!r} is a U-ViT run: its evaluators are "
+                           "knn, linear and layers (--evals=knn,linear,layers)")
+        here = [n for n in frozen if n != "rank"]
+      record = suite.evaluate_model(label, model, params, data_cfg, evals_cfg, here, mesh,
                                     source)
       if "finetune" in names:
         _finetune(record, source, paths.join(out, "finetune", label))

@@ -120,7 +120,7 @@ class LinearEvaluator:
     self.train = load_split(data_cfg, cfg.train_split, cfg.max_train_examples)
     self.test = load_split(data_cfg, cfg.eval_split, cfg.max_eval_examples)
     self.num_classes = _num_classes(self.train["label"], self.test["label"])
-    self.layers = (self.model.depth - 1,)
+    self.layers = (features.num_blocks(self.model) - 1,)
     self.fn = features.pooled_fn(self.model, self.choices, self.layers)
     self.cache = None
 
@@ -160,7 +160,7 @@ class LinearEvaluator:
 
   def evaluate(self, params) -> Dict[str, dict]:
     train_x, test_x = self._features(params, self.train), self._features(params, self.test)
-    out = {"features": list(self.choices), "block": self.model.depth - 1,
+    out = {"features": list(self.choices), "block": features.num_blocks(self.model) - 1,
            "num_train": int(train_x.shape[0]), "num_test": int(test_x.shape[0])}
     by_choice = lambda res: {c: {k: v[i] for k, v in res.items() if isinstance(v, list)}
                              for i, c in enumerate(self.choices)}

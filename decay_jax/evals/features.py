@@ -22,6 +22,11 @@ LN_SUFFIX = "_ln"
 FEATURE_CHOICES = tuple(p + s for s in ("", LN_SUFFIX) for p in knn.POOL_MODES)
 
 
+def num_blocks(model) -> int:
+  """Blocks whose outputs ``model.features`` returns (a probed U-ViT: ``2K + 1``; MAE: depth)."""
+  return getattr(model, "feature_blocks", None) or model.depth
+
+
 def parse_choice(name: str) -> Tuple[str, bool]:
   """``'cls_ln'`` -> ``('cls', True)``; raises a one-line ValueError for unknown names."""
   if name not in FEATURE_CHOICES:
@@ -149,7 +154,7 @@ class FeatureCache:
     self._store = {}  # id(images) -> (images, {(block, choice): (N, D) array})
 
   def _pairs(self, layers, choices):
-    depth = self.model.depth
+    depth = num_blocks(self.model)
     blocks = range(depth) if layers is None else [int(l) % depth for l in layers]
     for c in choices:
       parse_choice(c)

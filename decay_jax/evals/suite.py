@@ -1,7 +1,7 @@
 """One model through the representation evaluators: the record behind reports and studies.
 
 ``evaluate_model`` runs the evaluators of ``decay_jax.evals.registry`` (knn, linear, layers, rank) on
-one MAE encoder with one shared feature cache and returns a JSON-able record (``evals.report`` turns
+one MAE encoder (or the probe view of a U-ViT: knn, linear, layers) with one shared feature cache and returns a JSON-able record (``evals.report`` turns
 records into Markdown and plots). Used by ``decay_jax.cli.evaluate`` and ``research.small_scale_study.run``.
 """
 
@@ -15,15 +15,22 @@ from absl import logging
 
 from decay_jax import validate
 from decay_jax.data import pipeline
-from decay_jax.evals import features, registry
+from decay_jax.evals import diffusion_probe, features, registry
 from decay_jax.models import factory
 
 
-def run_model(config, params):
-  """The model of a run's config; channels from the checkpoint's patch-embedding kernel."""
-  channels = int(params["patch_embed"]["proj"]["kernel"].shape[2])
-  return factory.build_model(config, {"image_size": config.data.image_size,
-                                      "channels": channels})
+def run_model(config, params, probe_t: float = diffusion_probe.PROBE_T):
+  """The model of a run's config; channels (and a U-ViT's classes) from the checkpoint. A U-ViT
+  comes as its probe view (``diffusion_probe.probed`` at noise level ``probe_t``)."""
+  embed = params["patch_embed"]
+  channels = int(embed.get("proj", embed)["kernel"].shape[2])  # MAE: patch_embed.proj; U-ViT: patch_embed
+  info = {"image_size": config.data.image_size, "channels": channels}
+  if config.task != "uvit":
+    return factory.build_model(config, info)
+  dropout = config.diffusion.class_dropout_prob > 0
+  rows = params["label_emb"]["embedding"].shape[0] if "label_emb" in params else 0
+  model = factory.build_model(config, dict(info, num_classes=rows - dropout))
+  return diffusion_probe.probed(model, probe_t, rows - 1 if dropout else -1)
 
 
 def check_data(model, data_cfg, label: str) -> None:

@@ -45,6 +45,33 @@ def _model_fields() -> mlc.ConfigDict:
                              remat_policy="none"))
 
 
+def representation_evals() -> mlc.ConfigDict:
+  """The frozen-feature evaluators' settings (MAE runs; U-ViT runs through their probe view)."""
+  evals = mlc.ConfigDict()
+  evals.knn = mlc.ConfigDict(dict(enabled=True, every_steps=25_000, k=20, temperature=0.07,
+                                  pool="mean", layernorm=False, train_split="train",
+                                  eval_split="validation", max_train_examples=100_000,
+                                  max_eval_examples=0, batch_size=256))
+  # Representation evaluators (decay_jax.evals.evaluators; protocols in evals/linear_probe.py).
+  # The probes are off during training (run `python -m decay_jax.cli.evaluate`); the rank pass (effective
+  # rank per block, branch ratios per sublayer) is one forward over num_images images.
+  evals.linear = mlc.ConfigDict(dict(
+      enabled=False, every_steps=0, protocols="official", features="mean,patch_mean_ln,cls_ln",
+      train_split="train", eval_split="validation", max_train_examples=100_000,
+      max_eval_examples=0, batch_size=256, seed=0,
+      official=dict(epochs=200, lr=1e-2, weight_decay=0.01, batch_size=256),
+      mae=dict(epochs=90, warmup_epochs=10.0, blr=0.1, batch_size=16384, momentum=0.9,
+               trust_coefficient=0.001, weight_decay=0.0, augment=True, crop_scale=(0.08, 1.0))))
+  evals.layers = mlc.ConfigDict(dict(
+      enabled=False, every_steps=0, feature="mean", k=20, temperature=0.07, probe_epochs=10,
+      probe_lr=1e-3, probe_batch_size=256, seed=0, train_split="train", eval_split="validation",
+      max_train_examples=50_000, max_eval_examples=10_000, batch_size=256))
+  evals.rank = mlc.ConfigDict(dict(
+      enabled=True, every_steps=5000, feature="mean", branch_ratios=True,
+      split="validation", num_images=2048, batch_size=256))
+  return evals
+
+
 def mae_config() -> mlc.ConfigDict:
   """MAE pretraining defaults: the official recipe (docs/official_code.md 2) at ViT-B/16."""
   c = _common("mae")
@@ -66,27 +93,7 @@ def mae_config() -> mlc.ConfigDict:
   c.optim = mlc.ConfigDict(dict(base_lr=1.5e-4, lr=mlc.FieldReference(None, field_type=float),
                                 schedule="warmup_cosine", b1=0.9, b2=0.95, eps=1e-8,
                                 weight_decay=0.05, min_lr=0.0, grad_clip_norm=0.0))
-  c.evals.knn = mlc.ConfigDict(dict(enabled=True, every_steps=25_000, k=20, temperature=0.07, pool="mean",
-                                    layernorm=False, train_split="train", eval_split="validation",
-                                    max_train_examples=100_000, max_eval_examples=0,
-                                    batch_size=256))
-  # Representation evaluators (decay_jax.evals.evaluators; protocols in evals/linear_probe.py).
-  # The probes are off during training (run `python -m decay_jax.cli.evaluate`); the rank pass (effective
-  # rank per block, branch ratios per sublayer) is one forward over num_images images.
-  c.evals.linear = mlc.ConfigDict(dict(
-      enabled=False, every_steps=0, protocols="official", features="mean,patch_mean_ln,cls_ln",
-      train_split="train", eval_split="validation", max_train_examples=100_000,
-      max_eval_examples=0, batch_size=256, seed=0,
-      official=dict(epochs=200, lr=1e-2, weight_decay=0.01, batch_size=256),
-      mae=dict(epochs=90, warmup_epochs=10.0, blr=0.1, batch_size=16384, momentum=0.9,
-               trust_coefficient=0.001, weight_decay=0.0, augment=True, crop_scale=(0.08, 1.0))))
-  c.evals.layers = mlc.ConfigDict(dict(
-      enabled=False, every_steps=0, feature="mean", k=20, temperature=0.07, probe_epochs=10,
-      probe_lr=1e-3, probe_batch_size=256, seed=0, train_split="train", eval_split="validation",
-      max_train_examples=50_000, max_eval_examples=10_000, batch_size=256))
-  c.evals.rank = mlc.ConfigDict(dict(
-      enabled=True, every_steps=5000, feature="mean", branch_ratios=True,
-      split="validation", num_images=2048, batch_size=256))
+  c.evals = representation_evals()
   return c
 
 
@@ -196,6 +203,8 @@ def uvit_config() -> mlc.ConfigDict:
                                 b2=0.999, eps=1e-8, weight_decay=0.03, decay_params="all",
                                 min_lr=0.0, grad_clip_norm=0.0))
   c.diffusion = mlc.ConfigDict(dict(schedule="vpsde", class_dropout_prob=0.0))
+  # For `decay_jax.cli.evaluate` on the run (decay_jax.evals.diffusion_probe); not run in training.
+  c.evals = representation_evals()
   c.sample = mlc.ConfigDict(dict(mode="dpm", method="fast", num_steps=50, cfg_scale=0.0,
                                  grid_size=16, batch_size=64))
   c.picture_every_steps = 10_000
