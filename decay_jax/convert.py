@@ -20,7 +20,7 @@ UVIT_HEADS = {512: 8, 768: 12, 1024: 16, 1152: 16}
 
 
 def uvit_rules(model: uvit_lib.UViT) -> List[Rule]:
-  """U-ViT's ``libs/uvit.py`` state_dict in its own order (spec 1.6): ``pos_embed`` (the model's
+  """U-ViT's ``libs/uvit.py`` state_dict in its own order (docs/uvit.md 1.6): ``pos_embed`` (the model's
   own parameter comes first), ``patch_embed.proj``, ``time_embed.{0,2}`` (``mlp_time_embed``),
   ``label_emb`` (conditional), ``in_blocks.i``, ``mid_block``, ``out_blocks.j`` (+ ``skip_linear``),
   ``norm``, ``decoder_pred``, ``final_layer`` (``conv``). 11 keys per in/mid block (``attn.qkv``

@@ -1,6 +1,6 @@
 """U-ViT: parity with the PyTorch transcription of baofff/U-ViT (float32), the decay schedule,
 the init, parameter counts of the released presets and the state_dict converter
-(shared/spec/uvit.md)."""
+(docs/uvit.md)."""
 
 import chex
 import jax
@@ -35,7 +35,7 @@ CASES = {
 
 
 def hand_alphas(m) -> list:
-  """The identity coefficients per block (in -> mid -> out), computed here from spec 4.2."""
+  """The identity coefficients per block (in -> mid -> out), computed here from docs/uvit.md 4.2."""
   blocks = 2 * (m.depth // 2) + 1
   if m.mode == "uvit_original":
     return [(1.0, 1.0)] * blocks
@@ -304,7 +304,7 @@ def test_preset_parameter_counts(preset):
 
 
 def test_variant_counts_and_state_dict_keys():
-  """Spec 7 variants; spec 1.6 key counts (11 per in/mid block, 13 per out-block)."""
+  """docs/uvit.md 7 variants; docs/uvit.md 1.6 key counts (11 per in/mid block, 13 per out-block)."""
   assert param_count(uvit_lib.uvit("tiny/4", num_classes=11)) == 1_506_564
   assert param_count(uvit_lib.uvit("tiny/4", img_size=28, in_chans=1)) == 1_494_810
   keys = {"S/2": 164, "L/2": 261, "H/2": 355, "tiny/4": 92}

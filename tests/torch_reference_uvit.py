@@ -1,6 +1,6 @@
 """PyTorch reference of U-ViT (baofff/U-ViT ``libs/uvit.py``) with optional decayed shortcuts.
 
-Transcribed from the U-ViT source (read at commit ce551708, spec shared/spec/uvit.md section 1),
+Transcribed from the U-ViT source (read at commit ce551708, docs/uvit.md 1),
 not from the Flax model. It is ground truth for tests/test_uvit.py only. Same state_dict keys,
 init and fp32 forward as U-ViT's ``UViT``; attention is written out (U-ViT's 'math' path, which
 computes the same function as its 'flash' and 'xformers' paths); einops rearranges are spelled

@@ -44,6 +44,7 @@ from decay_jax import sharding as shd
 from decay_jax.cli import errors
 from decay_jax.evals import diffusion_probe, registry, report, suite
 from decay_jax.train import checkpoint as ckpt_lib
+from decay_jax.train import trainer
 
 EVALS = tuple(registry.EVALUATORS) + ("finetune",)
 WEIGHTS = ("params", "ema")
@@ -96,9 +97,6 @@ def _models(mesh):
 def _finetune(record: dict, source: dict, workdir: str) -> None:
   """Fine-tunes from the model of ``source`` into ``workdir`` with ``--finetune_config``; adds the
   ``finetune`` section (top-1 / top-5 of the last evaluation, best top-1, steps) to ``record``."""
-  # Imported here: the trainer pulls in TensorFlow, whose start-up lines would precede the
-  # one-line flag errors.
-  from decay_jax.train import trainer  # pylint: disable=g-import-not-at-top
   config = _FINETUNE_CONFIG.value.copy_and_resolve_references()
   config.init_from = source.get("workdir") or source["checkpoint"]
   t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """U-ViT samplers: DPM-Solver-fast, DPM-Solver++ ('fast'), Euler-Maruyama, and CFG for noise models.
 
-JAX re-implementation of the samplers baofff/U-ViT evaluates with (spec /work/shared/spec/uvit.md
-3.4), formula by formula:
+JAX re-implementation of the samplers baofff/U-ViT evaluates with (docs/uvit.md 3.4), formula by
+formula:
 
 - ``dpm_solver_fast``: ``DPM_Solver.sample(..., fast_version=True)`` of ``dpm_solver_pytorch.py``
   (pixel models and the continuous latent L/2; ``NoiseScheduleVP('linear')``, t from 1 to 1e-4).

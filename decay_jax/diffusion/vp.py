@@ -3,7 +3,7 @@
 JAX re-implementation of baofff/U-ViT ``sde.py`` (``VPSDE``, ``LSimple``, ``ScoreModel``), of
 ``train_ldm_discrete.py`` (``stable_diffusion_beta_schedule``, ``Schedule``, ``LSimple``) and of the
 ``NoiseScheduleVP`` classes of ``dpm_solver_pytorch.py`` ('linear') and ``dpm_solver_pp.py``
-('discrete') that DPM-Solver runs on (docs: /work/shared/spec/uvit.md 3.3-3.4).
+('discrete') that DPM-Solver runs on (docs/uvit.md 3.3 and 3.4).
 
 Conventions
   **t = 0 is data, t = 1 is noise** (the reverse of SiT's transport.py). With ``x0`` data and

@@ -12,7 +12,7 @@ so KNN, the linear probes and the per-block curve (``knn``, ``linear``, ``layers
 unchanged; their ``mean`` feature is the mean over patch tokens. ``eps`` depends on the image
 alone: its key is a fixed key folded with a 32-bit fingerprint of the image (``fingerprint_keys``),
 so a feature does not depend on the batch, the order or the device
-count [CHOICE: the spec folds in the example index, which the shared feature extraction does not
+count [CHOICE: docs/uvit.md 5.2 folds in the example index, which the shared feature extraction does not
 carry]. Conditional models are probed with their null label (they must have been trained with
 label dropout). The mid block, index K, is the spec's pre-registered layer.
 """
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from decay_jax.diffusion import vp
 from decay_jax.models import uvit as uvit_lib
 
-PROBE_T = 0.01  # spec 5.2's default noise level (about DDPM step 10)
+PROBE_T = 0.01  # docs/uvit.md 5.2's default noise level (about DDPM step 10)
 NOISE_KEY = 20240417
 
 

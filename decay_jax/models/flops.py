@@ -64,7 +64,7 @@ def uvit_forward_flops(m) -> float:
   """Forward FLOPs of one example through ``UViT`` ``m``: ``2K + 1`` blocks on ``extras + N``
   tokens, the long-skip Linears (``[x ; s]`` of width 2D, or D for 'add'), patch embedding, the
   optional time MLP, ``decoder_pred`` on every token and the final 3x3 conv. S/2 at 32 px:
-  24.4 GFLOP (spec 7's cost estimate)."""
+  24.4 GFLOP (docs/uvit.md 3.1)."""
   t, d = m.extras + m.num_patches, m.dim
   patch_dim = m.patch_size ** 2 * m.in_chans
   macs = m.num_patches * patch_dim * d

@@ -1,6 +1,6 @@
 """U-ViT (Bao et al., CVPR 2023; baofff/U-ViT ``libs/uvit.py``) with decayed identity shortcuts.
 
-All inputs are tokens (shared/spec/uvit.md section 1). With ``K = depth // 2`` there are ``K``
+All inputs are tokens (docs/uvit.md 1). With ``K = depth // 2`` there are ``K``
 in-blocks, one mid-block and ``K`` out-blocks, ``2K + 1`` blocks in all::
 
     tokens = [label?, time, patches] + pos_embed        (B, extras + N, D), extras = 1 + [cond]
@@ -27,7 +27,7 @@ Modes (``mode``):
   ``'decayed'`` (default): the schedule of ``alpha_min`` / ``schedule_convention`` /
       ``schedule_shape`` / ``shortcut_form``, and ``zero_init_branches``.
 
-Choices where the sources are silent (the decayed paper ships no U-ViT code), spec section 4.2:
+Choices where the sources are silent (the decayed paper ships no U-ViT code), docs/uvit.md 4.2:
   * [CHOICE] ``schedule_convention='sublayer'`` (default): one linear schedule over the
     ``S = 2(2K+1)`` sublayers in -> mid -> out, ``alpha_k = 1 - k (1 - alpha_min) / (S - 1)``, as
     the official decayed SiT; ``'block'`` is the paper's per-block equation (one ``alpha_l`` per
@@ -63,7 +63,7 @@ MODES = ("decayed", "uvit_original")
 SKIP_MODES = ("concat", "add", "none")
 LN_EPS = 1e-5  # nn.LayerNorm(dim) in U-ViT: the torch default
 
-# U-ViT's init (spec 2.1): timm trunc_normal_(std=.02) with absolute bounds +-2 is N(0, 0.02^2) in
+# U-ViT's init (docs/uvit.md 2.1): timm trunc_normal_(std=.02) with absolute bounds +-2 is N(0, 0.02^2) in
 # practice; Linear biases 0. The convs keep torch's default init, U(+-1/sqrt(fan_in)) for kernel and
 # bias; the label table keeps nn.Embedding's N(0, 1).
 linear_init = layers.normal(0.02)
@@ -261,7 +261,7 @@ class UViT(fields.PatchGrid, nn.Module):
   def block_outputs(self, x, t, y=None):
     """The residual stream after every block, in -> mid -> out: ``(2K+1, B, extras + N, D)``.
 
-    Raw (before the final ``norm``), all tokens; the probe features of spec 5.2 pool these over
+    Raw (before the final ``norm``), all tokens; the probe features of docs/uvit.md 5.2 pool these over
     the patch tokens ``[:, :, extras:]``.
     """
     _, in_outs, mid, out_outs = self.run_blocks(self.embed(x, t, y))
@@ -297,7 +297,7 @@ def validate_uvit_fields(m) -> None:
   fields.check_common(m)
 
 
-# Released configurations (baofff/U-ViT configs/*.py; spec 3.1) and the CPU preset of spec 7. Sizes
+# Released configurations (baofff/U-ViT configs/*.py; docs/uvit.md 3.1) and the CPU preset of docs/uvit.md 7. Sizes
 # and data shapes only: execution fields (remat, dtype) and the mode are the caller's.
 UVIT_PRESETS = {
     # cifar10_uvit_small: 44,255,328 parameters
@@ -316,7 +316,7 @@ UVIT_PRESETS = {
     # imagenet256_uvit_huge, no final conv: 500,832,016
     "H/2": dict(img_size=32, patch_size=2, in_chans=4, dim=1152, depth=28, num_heads=16,
                 num_classes=1001, conv=False),
-    # [CHOICE] spec 7: 7 blocks, 65 tokens, 1,505,028 parameters (92 state_dict keys)
+    # [CHOICE] docs/uvit.md 7: 7 blocks, 65 tokens, 1,505,028 parameters (92 state_dict keys)
     "tiny/4": dict(img_size=32, patch_size=4, in_chans=3, dim=128, depth=6, num_heads=4),
 }
 
