@@ -66,7 +66,7 @@ def _imports(path: str):
   return out
 
 
-ALIASES = {"main", "convert"}  # decay_jax.main, decay_jax.convert: command aliases, layer cli
+ALIASES = {"main", "convert", "evaluate", "sample"}  # decay_jax.main etc.: command aliases, layer cli
 
 
 def _layer(module: str) -> str:

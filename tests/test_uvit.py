@@ -12,7 +12,7 @@ import torch
 import torch_reference as ref
 import torch_reference_uvit as uref
 from parity import assert_grads_match, nhwc
-from decay_jax import convert
+from decay_jax.io import convert_uvit as convert
 from decay_jax.io.convert import ConversionError
 from decay_jax.models import factory
 from decay_jax.models import uvit as uvit_lib
