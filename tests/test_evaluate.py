@@ -17,6 +17,18 @@ from decay_jax.train import checkpoint as ckpt_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Shrinks a CPU config to a few steps on 16-pixel digits, one device, synchronous checkpoints.
+SHRINK = """
+  c.data.image_size = 16
+  c.num_train_steps = 4
+  c.warmup_epochs = 0.0
+  c.log_every_steps = 2
+  c.picture_every_steps = 0
+  c.checkpoint.every_steps = 4
+  c.checkpoint.async_save = False
+  c.mesh.data = 1
+"""
+
 # A config file for both training and evaluation: the demo config shrunk to the micro model on
 # 16-pixel digits, 512 training and 256 test images, every evaluator a few steps long.
 CONFIG = '''
@@ -25,15 +37,7 @@ import runpy
 def get_config():
   c = runpy.run_path({demo!r})["get_config"]()
   c.model.preset = "micro/4"
-  c.data.image_size = 16
-  c.batch_size = 16
-  c.num_train_steps = 4
-  c.warmup_epochs = 0.0
-  c.log_every_steps = 2
-  c.picture_every_steps = 0
-  c.checkpoint.every_steps = 4
-  c.checkpoint.async_save = False
-  c.mesh.data = 1
+  c.batch_size = 16''' + SHRINK + '''
   c.evals.knn.update(max_train_examples=512, max_eval_examples=256, batch_size=128)
   c.evals.rank.update(every_steps=2, num_images=64, batch_size=32)
   c.evals.linear.update(protocols="official,mae", features="mean,cls_ln", max_train_examples=512,
@@ -51,15 +55,7 @@ import runpy
 
 def get_config():
   c = runpy.run_path({demo!r})["get_config"]()
-  c.data.image_size = 16
-  c.batch_size = 32
-  c.num_train_steps = 4
-  c.warmup_epochs = 0.0
-  c.log_every_steps = 2
-  c.picture_every_steps = 0
-  c.checkpoint.every_steps = 4
-  c.checkpoint.async_save = False
-  c.mesh.data = 1
+  c.batch_size = 32''' + SHRINK + '''
   c.evals.accuracy.update(every_steps=2, max_eval_examples=200)
   return c
 '''
