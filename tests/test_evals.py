@@ -211,6 +211,14 @@ def test_layer_curves_find_the_separable_block():
   out = layerwise.layer_curves(x2, y, qx2, qy, 3, k=5, probe_epochs=5, probe_lr=1e-2,
                                probe_batch_size=32, devices=ONE_DEVICE)
   assert out["knn"]["best_block"] == 0 and out["knn"]["gap"] == pytest.approx(1.0 - out["knn_top1"][1])
+  # The block chosen on a held-out quarter of the training set, without the test set.
+  out = layerwise.layer_curves(x2, y, qx2, qy, 3, k=5, probe_epochs=5, probe_lr=1e-2,
+                               probe_batch_size=32, heldout_fraction=0.25, devices=ONE_DEVICE)
+  assert out["num_heldout"] == round(0.25 * len(y))
+  for probe in ("knn", "linear"):
+    chosen = out["selected"][probe]
+    assert chosen["block"] == 0 and chosen["heldout"] > 0.9
+    assert chosen["test"] == out[f"{probe}_top1"][0]
 
 
 # ----------------------------------------------------------------------------------------------

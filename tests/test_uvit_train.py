@@ -203,7 +203,10 @@ def test_evaluate_command_probes_the_run(run):
   record = json.load(open(os.path.join(out, "evaluation.json")))["models"][0]
   s = record["sections"]
   assert 0.1 < s["knn"]["top1"] <= 1.0 and s["knn"]["num_train"] == 512  # chance is 0.1
-  assert len(s["layers"]["knn_top1"]) == 7 and s["layers"]["knn"]["last"] == s["layers"]["knn_top1"][-1]
+  lay = s["layers"]
+  assert len(lay["knn_top1"]) == 7 and lay["knn"]["last"] == lay["knn_top1"][-1]
+  chosen = lay["selected"]["knn"]  # the block picked on 10% of the training digits
+  assert lay["num_heldout"] == 51 and chosen["test"] == lay["knn_top1"][chosen["block"]]
   assert record["model"]["alpha_min"] == 0.7 and len(record["model"]["alphas"]) == 7
   proc = subprocess.run(
       [sys.executable, "-m", "decay_jax.cli.evaluate", f"--workdir={workdir}", "--evals=rank",

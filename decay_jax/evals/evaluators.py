@@ -245,7 +245,8 @@ class LayerwiseEvaluator:
         get(self.train), self.train["label"], get(self.test), self.test["label"],
         self.num_classes, k=self.cfg.k, temperature=self.cfg.temperature,
         probe_epochs=self.cfg.probe_epochs, probe_lr=self.cfg.probe_lr,
-        probe_batch_size=self.cfg.probe_batch_size, seed=self.cfg.seed)
+        probe_batch_size=self.cfg.probe_batch_size, seed=self.cfg.seed,
+        heldout_fraction=self.cfg.get("heldout_fraction", 0.0))
     out["feature"] = self.cfg.feature
     return {"layers": out}
 

@@ -28,8 +28,14 @@ def _best(values: Sequence[float]) -> Dict[str, float]:
 def layer_curves(train: np.ndarray, train_y, test: np.ndarray, test_y, num_classes: int, *,
                  k: int = 20, temperature: float = 0.07, probe_epochs: int = 10,
                  probe_lr: float = 1e-3, probe_batch_size: int = 256, seed: int = 0,
+                 heldout_fraction: float = 0.0,
                  devices: Optional[Sequence[jax.Device]] = None) -> Dict[str, object]:
   """KNN and fast-linear-probe accuracy of every block.
+
+  With ``heldout_fraction > 0`` the block is also chosen without looking at the test set: the
+  same probes are fit on the rest of the training set and scored on that held-out fraction (a
+  seeded permutation); ``selected[probe]`` gives the chosen block, its held-out score and its
+  test score from the curve.
 
   Args:
     train: (N, L, D) pooled training features of L blocks.
@@ -67,6 +73,19 @@ def layer_curves(train: np.ndarray, train_y, test: np.ndarray, test_y, num_class
     out["linear_top5"] = probe["top5"]
   out["knn"] = _best(out["knn_top1"])
   out["linear"] = _best(out["linear_top1"])
+  if heldout_fraction > 0:
+    order = np.random.default_rng(seed).permutation(train.shape[0])
+    cut = train.shape[0] - max(1, int(round(heldout_fraction * train.shape[0])))
+    fit, held = order[:cut], order[cut:]
+    train_y = np.asarray(train_y)
+    inner = layer_curves(train[fit], train_y[fit], train[held], train_y[held], num_classes, k=k,
+                         temperature=temperature, probe_epochs=probe_epochs, probe_lr=probe_lr,
+                         probe_batch_size=probe_batch_size, seed=seed, devices=devices)
+    out["selected"] = {
+        probe: {"block": inner[probe]["best_block"], "heldout": inner[probe]["best"],
+                "test": out[f"{probe}_top1"][inner[probe]["best_block"]]}
+        for probe in ("knn", "linear")}
+    out.update(heldout_fraction=heldout_fraction, num_heldout=int(held.size))
   out.update(k=k, temperature=temperature, probe_epochs=probe_epochs, probe_lr=probe_lr,
              probe_batch_size=probe_batch_size, num_train=int(train.shape[0]),
              num_test=int(test.shape[0]))

@@ -154,6 +154,10 @@ def _blocks_md(r: dict) -> List[str]:
       b = lay[probe]
       out.append(f"- {label}: best block {b['best_block']} at {_pct(b['best'])}, last block "
                  f"{_pct(b['last'])} (gap {100 * b['gap']:.2f} points).")
+      if "selected" in lay:
+        c = lay["selected"][probe]
+        out.append(f"  Chosen on {lay['num_heldout']} held-out training images: block "
+                   f"{c['block']} ({_pct(c['heldout'])} there), {_pct(c['test'])} on the test set.")
     out.append(f"- Per-block settings: feature `{lay['feature']}`, k {lay['k']}, T "
                f"{lay['temperature']:g}, fast probe {lay['probe_epochs']} epochs, lr "
                f"{lay['probe_lr']:g}, batch {lay['probe_batch_size']}; {lay['num_train']} train, "

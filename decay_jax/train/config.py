@@ -65,7 +65,8 @@ def representation_evals() -> mlc.ConfigDict:
   evals.layers = mlc.ConfigDict(dict(
       enabled=False, every_steps=0, feature="mean", k=20, temperature=0.07, probe_epochs=10,
       probe_lr=1e-3, probe_batch_size=256, seed=0, train_split="train", eval_split="validation",
-      max_train_examples=50_000, max_eval_examples=10_000, batch_size=256))
+      max_train_examples=50_000, max_eval_examples=10_000, batch_size=256,
+      heldout_fraction=0.0))  # > 0: also pick the block on that share of the training set
   evals.rank = mlc.ConfigDict(dict(
       enabled=True, every_steps=5000, feature="mean", branch_ratios=True,
       split="validation", num_images=2048, batch_size=256))
