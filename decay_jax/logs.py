@@ -102,17 +102,34 @@ def _from_checkpoint_io(tb) -> bool:
   return False
 
 
+def _only_asyncio(tb) -> bool:
+  """Whether every frame of a traceback is asyncio's own (an exception raised inside a C-level
+  awaitable, such as a tensorstore future, shows no frame of its library)."""
+  while tb is not None:
+    if "/asyncio/" not in tb.tb_frame.f_code.co_filename:
+      return False
+    tb = tb.tb_next
+  return True
+
+
 class _OrphanReadTasks(logging.Filter):
   """Drops asyncio's "Task exception was never retrieved" (and its "Future ..." twin) for tasks
   and futures of orbax/tensorstore reads (the siblings of a read that failed first; their own
-  failure is the same one)."""
+  failure is the same one): those whose traceback passes through orbax or tensorstore, and the
+  ``_wrap_awaitable`` tasks orbax makes of tensorstore futures, whose traceback holds nothing but
+  asyncio (our commands create no such tasks themselves)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    if not str(record.msg).startswith(("Task exception was never retrieved",
-                                       "Future exception was never retrieved")):
+    msg = str(record.msg)
+    if not msg.startswith(("Task exception was never retrieved",
+                           "Future exception was never retrieved")):
       return True
     exc = record.exc_info[1] if record.exc_info else None
-    return not (exc is not None and _from_checkpoint_io(exc.__traceback__))
+    if exc is None:
+      return True
+    if _from_checkpoint_io(exc.__traceback__):
+      return False
+    return not ("coro=<_wrap_awaitable()" in msg and _only_asyncio(exc.__traceback__))
 
 
 def quiet_failed_reads() -> None:

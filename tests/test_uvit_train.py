@@ -49,9 +49,10 @@ def test_training_runs_and_keeps_the_recipe(run):
   # eps-prediction starts near E[eps^2] = 1 (zero-initialised branches, small output init)
   assert 0.3 < losses[0] < 3.0
   lrs = [r["lr"] for r in rows if "lr" in r]
-  # U-ViT's LambdaLR min(s / W, 1) with W = 2: lr 0, 1e-4, then 2e-4; each logged value is the
-  # mean over the two steps since the last log
-  assert lrs == pytest.approx([5e-5, 2e-4, 2e-4], rel=1e-6)
+  # U-ViT's LambdaLR min(s / W, 1) with W = 2: lr 0, peak / 2, then the peak; each logged value
+  # is the mean over the two steps since the last log
+  peak = tiny().optim.lr
+  assert lrs == pytest.approx([peak / 4, peak, peak], rel=1e-6)
   assert any(f.endswith(".png") for f in os.listdir(os.path.join(workdir, "pictures")))
   saved = json.load(open(os.path.join(workdir, "config.json")))
   assert saved["task"] == "uvit" and saved["model"]["alpha_min"] == 0.7
@@ -84,7 +85,8 @@ def test_optimiser_decays_every_parameter_as_torch_adamw():
   info, model, _ = trainer.check_config(config)
   task = trainer.make_task(config, model, info)
   tx, schedule = trainer.make_optimizer(config, task, 100, 10)
-  assert [float(schedule(s)) for s in (0, 5, 10, 50)] == pytest.approx([0, 1e-4, 2e-4, 2e-4])
+  peak = config.optim.lr
+  assert [float(schedule(s)) for s in (0, 5, 10, 50)] == pytest.approx([0, peak / 2, peak, peak])
   # With a zero gradient AdamW's update is only the decay -lr * wd * p, on biases and norms too.
   params = {"bias": jnp.ones((3,)), "kernel": jnp.ones((2, 3))}
   state = tx.init(params)
@@ -92,7 +94,7 @@ def test_optimiser_decays_every_parameter_as_torch_adamw():
   for _ in range(6):
     updates, state = tx.update(zeros, state, params)
   for leaf in jax.tree_util.tree_leaves(updates):
-    np.testing.assert_allclose(leaf, -1e-4 * 0.03, rtol=1e-6)  # step 5: lr 1e-4, wd 0.03
+    np.testing.assert_allclose(leaf, -peak / 2 * 0.03, rtol=1e-6)  # step 5: lr peak / 2, wd 0.03
   masked = optim.make_optimizer(config_lib.mae_config().optim, 256, 100, 10)[0]
   updates, _ = masked.update(zeros, masked.init(params), params)
   assert float(jnp.abs(updates["bias"]).max()) == 0.0  # MAE's groups: no decay on rank-1
