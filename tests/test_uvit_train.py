@@ -190,6 +190,14 @@ def test_probe_features_are_the_noised_block_outputs_of_each_image():
   x_t = np.sqrt(ab) * images + np.sqrt(1 - ab) * eps
   want = model.apply({"params": params}, x_t, jnp.full((5,), 99.9), method=model.block_outputs)
   np.testing.assert_allclose(out, want[:, :, 1:], rtol=1e-5, atol=1e-5)
+  # a discrete-schedule run is read at its step n = round(1000 t_p) = 100, network time 100
+  discrete = diffusion_probe.probed(model, 0.1, schedule="discrete")
+  got = jax.jit(lambda p, x: discrete.apply({"params": p}, x, method=discrete.features))(params,
+                                                                                          images)
+  ab = float(vp.DiscreteVP().alpha_bar(100))
+  x_t = np.sqrt(ab) * images + np.sqrt(1 - ab) * eps
+  want = model.apply({"params": params}, x_t, jnp.full((5,), 100.0), method=model.block_outputs)
+  np.testing.assert_allclose(got, want[:, :, 1:], rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="probe_t=1.5 is not allowed"):
     diffusion_probe.probed(model, 1.5)
 

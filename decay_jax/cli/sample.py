@@ -37,7 +37,7 @@ from decay_jax import logs, paths, validate
 from decay_jax import sharding as shd
 from decay_jax.cli import errors
 from decay_jax.data import latents as latents_lib
-from decay_jax.diffusion import samplers
+from decay_jax.diffusion import dpm_solver, samplers
 from decay_jax.evals import generation
 from decay_jax.train import checkpoint, tasks, trainer
 
@@ -73,7 +73,7 @@ def sample_config(base, task_name: str = "sit"):
       raise ValueError(f"--cfg_interval is not allowed for a {task_name} run")
     c.cfg_interval = tuple(float(v) for v in _CFG_INTERVAL.value)
   if task_name == "uvit":
-    modes = tasks.UViTTask.SAMPLERS
+    modes = dpm_solver.SAMPLERS
   else:
     modes = {"ode": samplers.ODE_METHODS, "sde": samplers.SDE_METHODS}
   validate.check_choice("mode", c.mode, tuple(modes))

@@ -57,6 +57,9 @@ from decay_jax.diffusion import samplers
 from decay_jax.diffusion.vp import DiscreteVP, ModelFn, VPSDE
 
 Schedule = Union[VPSDE, DiscreteVP]
+# The U-ViT samplers by mode and method, as configs and the sample command name them: 'dpm' runs
+# dpm_solver_fast ('fast') or dpm_solver_pp ('pp'); 'sde' / 'ode' run euler_maruyama.
+SAMPLERS = {"dpm": ("fast", "pp"), "sde": ("euler",), "ode": ("euler",)}
 SKIP_TYPES = ("time_uniform", "logSNR")
 
 

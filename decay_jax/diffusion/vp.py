@@ -233,3 +233,14 @@ class DiscreteVP(_Marginals):
   def sample_time(self, rng: jax.Array, n: int) -> jax.Array:
     """Training steps ``n ~ U{1..N}`` of shape ``(n,)``, int32 (``Schedule.sample``)."""
     return jax.random.randint(rng, (n,), 1, self.num_steps + 1, jnp.int32)
+
+
+SCHEDULES = ("vpsde", "discrete")
+
+
+def schedule(name: str):
+  """The schedule a config names (``diffusion.schedule``): ``'vpsde'`` or ``'discrete'``, each
+  with U-ViT's constants."""
+  if name not in SCHEDULES:
+    raise ValueError(f"schedule={name!r} is not allowed; choose one of {SCHEDULES}")
+  return VPSDE() if name == "vpsde" else DiscreteVP()

@@ -8,6 +8,8 @@ parameter tree) with a ``features(images)`` method as the MAE's:
     features(x) = every block's output (in -> mid -> out) at network time 999 t_p, patch tokens
                   only (time and label tokens dropped): ``(2K + 1, N, patches, D)``
 
+(a model of the discrete schedule is read at its step ``n = round(1000 t_p)``, network time n)
+
 so KNN, the linear probes and the per-block curve (``knn``, ``linear``, ``layers``) run on it
 unchanged; their ``mean`` feature is the mean over patch tokens. ``eps`` depends on the image
 alone: its key is a fixed key folded with a 32-bit fingerprint of the image (``fingerprint_keys``),
@@ -43,10 +45,12 @@ class ProbedUViT(uvit_lib.UViT):
   """A ``UViT`` whose ``features`` are the noised-input block outputs of the module docstring.
 
   ``probe_t``: the noise level t_p in (0, 1); ``probe_label``: the label fed to a conditional
-  model (its null label), -1 for unconditional ones.
+  model (its null label), -1 for unconditional ones; ``probe_schedule``: the run's
+  ``diffusion.schedule``.
   """
   probe_t: float = PROBE_T
   probe_label: int = -1
+  probe_schedule: str = "vpsde"
 
   @property
   def feature_blocks(self) -> int:
@@ -55,16 +59,20 @@ class ProbedUViT(uvit_lib.UViT):
 
   def features(self, images):
     """``(2K + 1, N, patches, D)`` float32 block outputs of the noised ``images (N, H, W, C)``."""
-    schedule = vp.VPSDE()
-    t = jnp.full((images.shape[0],), self.probe_t, jnp.float32)
+    schedule, n = vp.schedule(self.probe_schedule), images.shape[0]
+    if isinstance(schedule, vp.DiscreteVP):  # a training time of the schedule: its step n
+      t = jnp.full((n,), round(schedule.num_steps * self.probe_t), jnp.int32)
+    else:
+      t = jnp.full((n,), self.probe_t, jnp.float32)
     eps = jax.vmap(lambda k: jax.random.normal(k, images.shape[1:]))(fingerprint_keys(images))
     x_t = schedule.perturb(images.astype(jnp.float32), eps, t)
-    y = (jnp.full((images.shape[0],), self.probe_label, jnp.int32) if self.conditional else None)
-    return self.block_outputs(x_t, schedule.net_time(t), y)[:, :, self.extras:]
+    y = jnp.full((n,), self.probe_label, jnp.int32) if self.conditional else None
+    return self.block_outputs(x_t, schedule.training_net_time(t), y)[:, :, self.extras:]
 
 
-def probed(model: uvit_lib.UViT, probe_t: float = PROBE_T, null_label: int = -1) -> ProbedUViT:
-  """The probe view of ``model`` (same fields, same parameters)."""
+def probed(model: uvit_lib.UViT, probe_t: float = PROBE_T, null_label: int = -1,
+           schedule: str = "vpsde") -> ProbedUViT:
+  """The probe view of ``model`` (same fields, same parameters) trained on ``schedule``."""
   if not 0.0 < probe_t < 1.0:
     raise ValueError(f"probe_t={probe_t!r} is not allowed; it must be in (0, 1)")
   if model.conditional and null_label < 0:
@@ -72,4 +80,4 @@ def probed(model: uvit_lib.UViT, probe_t: float = PROBE_T, null_label: int = -1)
                      "trained with diffusion.class_dropout_prob > 0")
   fields = {f: getattr(model, f) for f in model.__dataclass_fields__
             if f not in ("parent", "name")}
-  return ProbedUViT(**fields, probe_t=probe_t, probe_label=null_label)
+  return ProbedUViT(**fields, probe_t=probe_t, probe_label=null_label, probe_schedule=schedule)

@@ -30,7 +30,8 @@ def run_model(config, params, probe_t: float = diffusion_probe.PROBE_T):
   dropout = config.diffusion.class_dropout_prob > 0
   rows = params["label_emb"]["embedding"].shape[0] if "label_emb" in params else 0
   model = factory.build_model(config, dict(info, num_classes=rows - dropout))
-  return diffusion_probe.probed(model, probe_t, rows - 1 if dropout else -1)
+  return diffusion_probe.probed(model, probe_t, rows - 1 if dropout else -1,
+                                config.diffusion.schedule)
 
 
 def check_data(model, data_cfg, label: str) -> None:

@@ -13,6 +13,7 @@ import ml_collections as mlc
 
 from decay_jax import validate as validate_lib
 from decay_jax.data import pipeline
+from decay_jax.diffusion import dpm_solver, vp
 
 
 def _common(task: str) -> mlc.ConfigDict:
@@ -253,17 +254,16 @@ def validate(config) -> None:
   validate_lib.check_range("ema_decay", config.ema_decay, 0.0, 1.0, high_open=True)
   validate_lib.check_range("optim.weight_decay", config.optim.weight_decay, 0.0)
   if config.task == "uvit":
-    validate_lib.check_choice("diffusion.schedule", config.diffusion.schedule,
-                              ("vpsde", "discrete"))
+    validate_lib.check_choice("diffusion.schedule", config.diffusion.schedule, vp.SCHEDULES)
     validate_lib.check_range("diffusion.class_dropout_prob", config.diffusion.class_dropout_prob,
                              0.0, 1.0, high_open=True)
     if config.diffusion.class_dropout_prob > 0 and not config.model.conditional:
       raise validate_lib.not_allowed(
           "diffusion.class_dropout_prob", config.diffusion.class_dropout_prob,
           "an unconditional model (model.conditional=False) has no labels to drop; use 0")
-    modes = {"dpm": ("fast", "pp"), "sde": ("euler",), "ode": ("euler",)}
-    validate_lib.check_choice("sample.mode", config.sample.mode, tuple(modes))
-    validate_lib.check_choice("sample.method", config.sample.method, modes[config.sample.mode])
+    validate_lib.check_choice("sample.mode", config.sample.mode, tuple(dpm_solver.SAMPLERS))
+    validate_lib.check_choice("sample.method", config.sample.method,
+                              dpm_solver.SAMPLERS[config.sample.mode])
     if config.sample.mode != "dpm" and config.diffusion.schedule != "vpsde":
       raise validate_lib.not_allowed("sample.mode", config.sample.mode,
                                      "the Euler samplers need diffusion.schedule='vpsde'")

@@ -289,11 +289,10 @@ class UViTTask:
   name = "uvit"
   picture_needs_batch = False
   picture_name = "samples"
-  SAMPLERS = {"dpm": ("fast", "pp"), "sde": ("euler",), "ode": ("euler",)}
 
   def __init__(self, model, diffusion_cfg, sample_cfg=None, mean=(0.0,), std=(1.0,)):
     self.model = model
-    self.schedule = (vp.VPSDE() if diffusion_cfg.schedule == "vpsde" else vp.DiscreteVP())
+    self.schedule = vp.schedule(diffusion_cfg.schedule)
     self.class_dropout_prob = float(diffusion_cfg.class_dropout_prob)
     self.sample_cfg = sample_cfg
     self.mean, self.std = mean, std
