@@ -29,13 +29,15 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# [project.scripts]: the layout of issue 32, and the input benchmark of issue 34.
+# [project.scripts]: the layout of issue 32, the input benchmark of issue 34, the trace table of
+# issue 37.
 SCRIPTS = {
     "decay-jax-train": "decay_jax.cli.train:run",
     "decay-jax-evaluate": "decay_jax.cli.evaluate:run",
     "decay-jax-sample": "decay_jax.cli.sample:run",
     "decay-jax-fid": "decay_jax.cli.fid:run",
     "decay-jax-bench": "decay_jax.cli.bench:run",
+    "decay-jax-trace-table": "decay_jax.cli.trace_table:run",
     "decay-jax-data-bench": "decay_jax.cli.data_bench:run",
     "decay-jax-memory": "decay_jax.cli.memory:run",
     "decay-jax-compare": "decay_jax.cli.compare:run",

@@ -4,12 +4,27 @@
     python -m decay_jax.cli.bench --config=configs/mae_vit_h14.py --compile_only --fake_devices=8
     python -m decay_jax.cli.bench --config=configs/mae_cpu_mnist.py --torch   # + PyTorch reference
     python -m decay_jax.cli.bench --task=sit --preset=XL/2 --compile_only --batch_per_device=32
+    python -m decay_jax.cli.bench --from_trainer=WORKDIR      # a run's own timing beside the bench's
+    python -m decay_jax.cli.bench --config=configs/mae_cpu_mnist.py --profile_steps=5,3
 
-Inputs are synthetic (the model's shape, standard normal), so no dataset is needed. With
-``--compile_only`` nothing is allocated: the step is lowered and compiled on abstract inputs
-(``jit(...).lower(...).compile()``) and XLA's memory analysis is printed. ``--fake_devices=N``
-makes N CPU devices (set before JAX starts) to size pods on a laptop. ``--torch`` times the
-PyTorch reference of the tests (fp32, same batch, AdamW) on the same machine and prints the ratio.
+What is timed is the trainer's step: the same jitted, donated function
+(``trainer.jit_train_step``), compiled the same way (lowered on the concrete state and batch) and
+dispatched the same way (at most ``step.MAX_IN_FLIGHT`` steps ahead of the device). One warm-up
+step, then ``--repeats`` windows of ``--steps`` steps; wall and CPU seconds (this process, all
+threads) per step are printed as the median window and the fastest. Inputs are synthetic (the
+model's shape, standard normal), so no dataset is needed and the input pipeline is not timed.
+
+``--from_trainer=WORKDIR`` reads the run's ``metrics.jsonl`` (the trainer logs wall and CPU
+seconds per step for every logging window), prints the median and fastest window (the first
+window, which warms caches and the input pipeline, is left out), and then benchmarks the run's
+own config (``WORKDIR/config.json``, or ``--config``) for the ratio of the two.
+
+``--profile_steps=START,COUNT`` (or ``--config.profile_steps``) traces those timed steps into
+``--profile_dir``; ``python -m decay_jax.cli.trace_table DIR`` tables the trace by op category.
+With ``--compile_only`` nothing is allocated: the step is lowered and compiled on abstract inputs
+and XLA's memory analysis is printed. ``--fake_devices=N`` makes N CPU devices (set before JAX
+starts) to size pods on a laptop. ``--torch`` times the PyTorch reference of the tests (fp32, same
+batch, AdamW) on the same machine and prints the ratio.
 """
 
 from __future__ import annotations
@@ -17,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 
 
@@ -42,7 +58,9 @@ from decay_jax import paths  # noqa: E402
 from decay_jax import sharding as shd  # noqa: E402
 from decay_jax.cli import errors, memory  # noqa: E402
 from decay_jax.models import flops  # noqa: E402
+from decay_jax.train import checkpoint as ckpt_lib  # noqa: E402
 from decay_jax.train import config as config_lib  # noqa: E402
+from decay_jax.train import profiling, trainer, writers  # noqa: E402
 from decay_jax.train import step as step_lib  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
@@ -58,6 +76,65 @@ flags.DEFINE_integer("fake_devices", 0, "Number of fake CPU devices (read before
 _CHANNELS = flags.DEFINE_integer("channels", 0, "Input channels (0: 3 for MAE, 4 for SiT).")
 _TORCH = flags.DEFINE_bool("torch", False, "Also time the PyTorch reference (CPU, fp32).")
 _OUT = flags.DEFINE_string("out", None, "Append the result as one JSON line to this file.")
+_FROM_TRAINER = flags.DEFINE_string(
+    "from_trainer", None, "A run's workdir: its logged step times, then the bench of its config.")
+_PROFILE_STEPS = flags.DEFINE_string(
+    "profile_steps", None, "START,COUNT of the timed steps to trace (overrides the config's).")
+_PROFILE_DIR = flags.DEFINE_string(
+    "profile_dir", os.path.join(tempfile.gettempdir(), "decay_jax_bench_profile"),
+    "Where --profile_steps writes its trace.")
+
+
+def trainer_timing(workdir: str) -> dict:
+  """Step times a run logged (``metrics.jsonl``): median and fastest window, first one left out.
+
+  Runs from before the trainer logged ``step_seconds`` give it from ``examples_per_sec`` and the
+  run's batch size (no CPU seconds then).
+  """
+  path = paths.join(workdir, writers.JSONL)
+  if not paths.exists(path):
+    raise ValueError(f"from_trainer={workdir!r} is not allowed; it has no {writers.JSONL} (not a "
+                     "workdir of decay_jax.main)")
+  batch = ckpt_lib.run_config(workdir).batch_size
+  rows = [json.loads(line) for line in paths.read_text(path).splitlines() if line.strip()]
+  rows = [r for r in rows if "examples_per_sec" in r]
+  if len(rows) < 2:
+    raise ValueError(f"from_trainer={workdir!r} is not allowed; it logged {len(rows)} timing "
+                     "window(s), at least 2 are needed (the first warms up)")
+  rows = rows[1:]
+  wall = [r.get("step_seconds", batch / r["examples_per_sec"]) for r in rows]
+  res = {"trainer_workdir": workdir, "trainer_windows": len(rows),
+         "trainer_last_step": rows[-1]["step"],
+         "trainer_step_seconds": round(float(np.median(wall)), 5),
+         "trainer_step_seconds_min": round(min(wall), 5),
+         "trainer_images_per_sec": round(batch / float(np.median(wall)), 1)}
+  cpu = [r["step_cpu_seconds"] for r in rows if "step_cpu_seconds" in r]
+  if cpu:
+    res["trainer_step_cpu_seconds"] = round(float(np.median(cpu)), 5)
+  return res
+
+
+def time_steps(compiled, state, data, steps: int, repeats: int, profiler):
+  """``(state, walls, cpus)``: seconds per step of each window of ``steps`` steps.
+
+  Steps are dispatched as the trainer dispatches them (``step.bound_in_flight``); the bench's
+  step numbers for ``profiler`` run from 0 over all windows.
+  """
+  walls, cpus, k = [], [], 0
+  for _ in range(repeats):
+    t, cpu, outputs = time.perf_counter(), time.process_time(), []
+    for _ in range(steps):
+      profiler.before(k)
+      with jax.profiler.StepTraceAnnotation("train", step_num=k):
+        state, m = compiled(state, data)
+      profiler.after(k, m)
+      outputs.append(m)
+      step_lib.bound_in_flight(outputs)
+      k += 1
+    jax.block_until_ready(outputs[-1])
+    walls.append((time.perf_counter() - t) / steps)
+    cpus.append((time.process_time() - cpu) / steps)
+  return state, walls, cpus
 
 
 def torch_reference_seconds(config, model, batch: int, steps: int) -> float:
@@ -106,13 +183,22 @@ def torch_reference_seconds(config, model, batch: int, steps: int) -> float:
 def main(argv):
   del argv
   config = _CONFIG.value
-  if config is None:
-    config = config_lib.mae_config() if _TASK.value == "mae" else config_lib.sit_config()
   try:  # bad value: one line, nothing compiled
+    trained = trainer_timing(_FROM_TRAINER.value) if _FROM_TRAINER.value else {}
+    if config is None and _FROM_TRAINER.value:
+      config = ckpt_lib.run_config(_FROM_TRAINER.value)
+    if config is None:
+      config = config_lib.mae_config() if _TASK.value == "mae" else config_lib.sit_config()
     config_lib.override(config, **config_lib.model_overrides(
-        preset=None if _CONFIG.value is not None else _PRESET.value, dtype=_DTYPE.value,
-        remat=_REMAT.value))
+        preset=None if _CONFIG.value is not None or trained else _PRESET.value,
+        dtype=_DTYPE.value, remat=_REMAT.value))
+    if _PROFILE_STEPS.value is not None:
+      config_lib.override(config, profile_steps=_PROFILE_STEPS.value)
     config_lib.validate(config)
+    window = profiling.parse_steps(config.profile_steps)
+    if window and sum(window) > _STEPS.value * _REPEATS.value:
+      raise ValueError(f"profile_steps={config.profile_steps!r} is not allowed; the bench times "
+                       f"{_STEPS.value * _REPEATS.value} steps (--steps x --repeats), numbered from 0")
     if _TORCH.value and config.task not in ("mae", "sit"):
       raise ValueError(f"--torch is not allowed with task={config.task!r}; the PyTorch reference "
                        "times MAE and SiT pre-training")
@@ -123,14 +209,30 @@ def main(argv):
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  c = memory.compile_train_step(config, batch, _CHANNELS.value)
-  model, task, tx, compiled = c["model"], c["task"], c["tx"], c["compiled"]
+  c = memory.train_step_pieces(config, batch, _CHANNELS.value)
+  model, task, tx = c["model"], c["task"], c["tx"]
   abstract, shardings, a_batch = c["abstract"], c["shardings"], c["a_batch"]
   ema = config.ema_decay > 0
+  if _COMPILE_ONLY.value:  # abstract inputs: nothing allocated
+    state, data = c["a_state"], a_batch
+  else:
+    rng = np.random.default_rng(0)
+    local = {"image": rng.standard_normal(a_batch["image"].shape, np.float32),
+             "label": rng.integers(0, 10, batch).astype(np.int32)}
+    data = shd.global_batch_from_local(local, mesh)
+    state = jax.jit(lambda: step_lib.init_state(task, tx, config.seed, ema),
+                    out_shardings=shardings)()
+  # Lowered on the concrete state and batch, as the trainer does, unless --compile_only.
+  t0 = time.perf_counter()
+  lowered = c["train_step"].lower(state, data)
+  t1 = time.perf_counter()
+  compiled = lowered.compile()
+  lower_seconds, compile_seconds = t1 - t0, time.perf_counter() - t1
   n_params = sum(int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(abstract["params"]))
   flops_step = task.train_flops_per_example() * batch
   name = (os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"]))
-          if _CONFIG.value is not None else f"{config.task} defaults")
+          if _CONFIG.value is not None else
+          os.path.join(_FROM_TRAINER.value, "config.json") if trained else f"{config.task} defaults")
   res = {"config": name,
          "preset": config.model.preset,
          "alpha_min": model.alpha_min, "dtype": config.model.dtype, "remat": config.model.remat_policy,
@@ -138,27 +240,21 @@ def main(argv):
          "devices": mesh.size, "device_kind": jax.devices()[0].device_kind,
          "mesh": dict(mesh.shape), "global_batch": batch, "accum_steps": config.accum_steps,
          "params": n_params, "model_gflops_per_example": task.train_flops_per_example() / 1e9,
-         "lower_seconds": round(c["lower_seconds"], 2),
-         "compile_seconds": round(c["compile_seconds"], 2), **memory.memory_report(compiled)}
+         "lower_seconds": round(lower_seconds, 2),
+         "compile_seconds": round(compile_seconds, 2), **memory.memory_report(compiled)}
   if config.task == "sit":  # residual routing: parameters and train FLOPs against plain residuals
     res.update(flops.overhead(model))
   if not _COMPILE_ONLY.value:
-    rng = np.random.default_rng(0)
-    local = {"image": rng.standard_normal(a_batch["image"].shape, np.float32),
-             "label": rng.integers(0, 10, batch).astype(np.int32)}
-    data = shd.global_batch_from_local(local, mesh)
-    state = jax.jit(lambda: step_lib.init_state(task, tx, config.seed, ema),
-                    out_shardings=shardings)()
     state, m = compiled(state, data)
     jax.block_until_ready(m)
-    walls, cpus = [], []
-    for _ in range(_REPEATS.value):
-      t, cpu = time.perf_counter(), time.process_time()
-      for _ in range(_STEPS.value):
-        state, m = compiled(state, data)
-      jax.block_until_ready(m)
-      walls.append((time.perf_counter() - t) / _STEPS.value)
-      cpus.append((time.process_time() - cpu) / _STEPS.value)
+    profiler = profiling.StepProfiler(window, _PROFILE_DIR.value, compiled.as_text)
+    try:
+      state, walls, cpus = time_steps(compiled, state, data, _STEPS.value, _REPEATS.value,
+                                      profiler)
+    finally:
+      profiler.close()
+    if profiler.run_dir:
+      res["profile"] = profiler.run_dir
     # The median window is the figure; the min says how much a busy machine stretched it.
     sec = float(np.median(walls))
     res.update(step_seconds_min=round(min(walls), 5), repeats=_REPEATS.value, steps=_STEPS.value)
@@ -171,6 +267,9 @@ def main(argv):
                model_tflops_per_sec_per_device=round(flops_step / sec / mesh.size / 1e12, 4))
     if peak:
       res["mfu"] = round(flops_step / sec / mesh.size / peak, 4)
+    res.update(trained)
+    if trained:  # above 1: the bench's step is slower than the trainer's logged one
+      res["bench_over_trainer"] = round(sec / trained["trainer_step_seconds"], 3)
     if _TORCH.value:
       tsec = torch_reference_seconds(config, model, batch, _STEPS.value)
       res.update(torch_step_seconds=round(tsec, 5), torch_images_per_sec=round(batch / tsec, 1),

@@ -89,13 +89,12 @@ def shard_bytes(tree) -> int:
              for a in jax.tree_util.tree_leaves(tree))
 
 
-def compile_train_step(config, batch: Optional[int] = None, channels: int = 0) -> Dict[str, Any]:
-  """Lowers and compiles the train step of ``config`` on abstract inputs.
+def train_step_pieces(config, batch: Optional[int] = None, channels: int = 0) -> Dict[str, Any]:
+  """The trainer's jitted train step of ``config`` and its pieces, nothing compiled.
 
-  Returns the compiled step and its pieces (``model``, ``task``, ``tx``, ``mesh``, ``abstract``
-  state, ``shardings``, abstract inputs ``a_state``/``a_batch``) with ``lower_seconds`` and
-  ``compile_seconds`` (wall clock; ``compile_cpu_seconds``: CPU time of this process, all
-  threads, which a busy machine inflates less). ``batch``: the global batch (default: ``config.batch_size``).
+  Returns ``train_step`` (``trainer.jit_train_step``), ``model``, ``task``, ``tx``, ``schedule``,
+  ``mesh``, ``batch``, the ``abstract`` state, its ``shardings`` and the abstract inputs
+  ``a_state``/``a_batch``. ``batch``: the global batch (default: ``config.batch_size``).
   """
   config_lib.validate(config)
   mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp)
@@ -104,20 +103,29 @@ def compile_train_step(config, batch: Optional[int] = None, channels: int = 0) -
   model, task, tx, schedule = build(config, batch, channels)
   abstract = step_lib.abstract_state(task, tx, config.seed, config.ema_decay > 0)
   shardings = step_lib.state_shardings(abstract, tx, mesh)
-  train_step = step_lib.jit_train_step(
-      step_lib.make_train_step(task, tx, schedule, config.accum_steps, config.ema_decay),
-      shardings, mesh)
+  train_step = trainer.jit_train_step(config, task, tx, schedule, shardings, mesh)
   a_state = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                    abstract, shardings)
   a_batch = abstract_batch(model, config, batch, mesh)
+  return dict(train_step=train_step, model=model, task=task, tx=tx, schedule=schedule, mesh=mesh,
+              batch=batch, abstract=abstract, shardings=shardings, a_state=a_state,
+              a_batch=a_batch)
+
+
+def compile_train_step(config, batch: Optional[int] = None, channels: int = 0) -> Dict[str, Any]:
+  """Lowers and compiles the train step of ``config`` on abstract inputs.
+
+  Returns ``train_step_pieces`` plus the ``compiled`` step, ``lower_seconds`` and
+  ``compile_seconds`` (wall clock; ``compile_cpu_seconds``: CPU time of this process, all
+  threads, which a busy machine inflates less).
+  """
+  c = train_step_pieces(config, batch, channels)
   t0 = time.perf_counter()
-  lowered = train_step.lower(a_state, a_batch)
+  lowered = c["train_step"].lower(c["a_state"], c["a_batch"])
   t1, cpu1 = time.perf_counter(), time.process_time()
   compiled = lowered.compile()
   t2, cpu2 = time.perf_counter(), time.process_time()
-  return dict(compiled=compiled, model=model, task=task, tx=tx, schedule=schedule, mesh=mesh,
-              batch=batch, abstract=abstract, shardings=shardings, a_state=a_state,
-              a_batch=a_batch, lower_seconds=t1 - t0, compile_seconds=t2 - t1,
+  return dict(c, compiled=compiled, lower_seconds=t1 - t0, compile_seconds=t2 - t1,
               compile_cpu_seconds=cpu2 - cpu1)
 
 

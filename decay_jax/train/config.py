@@ -14,6 +14,7 @@ import ml_collections as mlc
 from decay_jax import validate as validate_lib
 from decay_jax.data import pipeline
 from decay_jax.diffusion import dpm_solver, vp
+from decay_jax.train import profiling
 
 
 def _common(task: str) -> mlc.ConfigDict:
@@ -34,6 +35,7 @@ def _common(task: str) -> mlc.ConfigDict:
   c.log_every_steps = 50
   c.picture_every_steps = 1000
   c.tensorboard = True  # False: metrics.jsonl and the console only (see train.writers)
+  c.profile_steps = ""  # "START,COUNT": a jax.profiler trace of those steps (train.profiling)
   c.evals = mlc.ConfigDict()
   return c
 
@@ -234,6 +236,7 @@ def validate(config) -> None:
   model is built (``models.factory.build_model``)."""
   for name in ("batch_size", "accum_steps", "log_every_steps"):
     validate_lib.check_int(name, config[name])
+  profiling.parse_steps(config.get("profile_steps", ""))
   if config.batch_size % config.accum_steps:
     raise validate_lib.not_allowed("batch_size", config.batch_size,
                                    f"it must be divisible by accum_steps={config.accum_steps}")

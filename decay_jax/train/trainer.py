@@ -24,7 +24,7 @@ from decay_jax import sharding as shd
 from decay_jax.data import pipeline
 from decay_jax.models import factory, flops
 from decay_jax.models import vit
-from decay_jax.train import evaluation, finetune_optim, optim, pretrained, tasks, writers
+from decay_jax.train import evaluation, finetune_optim, optim, pretrained, profiling, tasks, writers
 from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import config as config_lib
 from decay_jax.train import step as step_lib
@@ -54,6 +54,13 @@ def make_optimizer(config, task, total_steps: int, warmup_steps: int):
     return finetune_optim.from_config(config.optim, config.batch_size, total_steps, warmup_steps,
                                       shapes, model.depth)
   return optim.make_optimizer(config.optim, config.batch_size, total_steps, warmup_steps)
+
+
+def jit_train_step(config, task, tx, schedule, shardings, mesh):
+  """The jitted, donated train step of ``config`` that the trainer runs (and ``cli.bench`` times)."""
+  return step_lib.jit_train_step(
+      step_lib.make_train_step(task, tx, schedule, config.accum_steps, config.ema_decay),
+      shardings, mesh)
 
 
 class _Preemption:
@@ -188,14 +195,14 @@ def train_and_evaluate(config, workdir: str,
   if start:
     logging.info("input stream at step %d: %s", start, "restored from the checkpoint's Grain state"
                  if batches.restored else "started afresh there (same batches)")
-  train_step = step_lib.jit_train_step(
-      step_lib.make_train_step(task, tx, schedule, config.accum_steps, config.ema_decay),
-      shardings, mesh)
+  train_step = jit_train_step(config, task, tx, schedule, shardings, mesh)
   t0 = time.perf_counter()
   first = shd.global_batch_from_local(next(batches), mesh)
   compiled = train_step.lower(state, first).compile()
   compile_seconds = time.perf_counter() - t0
   logging.info("train step compiled in %.1f s", compile_seconds)
+  profiler = profiling.StepProfiler(profiling.parse_steps(config.profile_steps),
+                                    paths.join(workdir, "profile"), compiled.as_text)
 
   # ---------------------------------------------------------------------------------------------
   # Train loop.
@@ -208,20 +215,18 @@ def train_and_evaluate(config, workdir: str,
   history, preempted = [], False
   results = {"compile_seconds": compile_seconds, "step": start, "loss": meta.get("loss")}
   evaluated = False
-  window_start, window_steps = time.perf_counter(), 0
+  window_start, window_cpu, window_steps = time.perf_counter(), time.process_time(), 0
   step, batch = start, first
   try:
     while step < total_steps:
+      profiler.before(step)
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
         state, metrics = compiled(state, batch)
+      profiler.after(step, metrics)
       step += 1
       window_steps += 1
       history.append((step, metrics))
-      # Async dispatch would let Python run dozens of steps ahead of the device (XLA:CPU), so
-      # the progress rate and ETA swung between 2x too fast and 0; two steps in flight keep the
-      # host's next-batch work overlapped while progress follows the device.
-      if len(history) > 2:
-        jax.block_until_ready(history[-3][1])
+      step_lib.bound_in_flight([m for _, m in history])
       report(step)
       last = step == total_steps
       preempted = preemption.reached(step) and not last
@@ -232,6 +237,10 @@ def train_and_evaluate(config, workdir: str,
         elapsed = time.perf_counter() - window_start
         scalars = {k: float(np.mean([m[k] for _, m in fetched])) for k in fetched[-1][1]}
         per_sec = window_steps * config.batch_size / elapsed
+        # Wall and CPU seconds (this process, all threads) per step of the window: what
+        # `decay_jax.cli.bench --from_trainer` reads to compare with its own timing.
+        scalars["step_seconds"] = elapsed / window_steps
+        scalars["step_cpu_seconds"] = (time.process_time() - window_cpu) / window_steps
         scalars["examples_per_sec"] = per_sec
         scalars["examples_per_sec_per_device"] = per_sec / jax.device_count()
         scalars["model_tflops_per_sec_per_device"] = (
@@ -240,7 +249,7 @@ def train_and_evaluate(config, workdir: str,
           scalars["mfu"] = scalars["model_tflops_per_sec_per_device"] * 1e12 / peak
         writer.write_scalars(step, scalars)
         results.update(step=step, loss=scalars["loss"])
-        window_start, window_steps = time.perf_counter(), 0
+        window_start, window_cpu, window_steps = time.perf_counter(), time.process_time(), 0
       if config.picture_every_steps and (step % config.picture_every_steps == 0 or last):
         if fixed_pictures is not None or not task.picture_needs_batch:
           shown = state["ema"] if use_ema else state["params"]  # SiT samples with the EMA
@@ -267,12 +276,14 @@ def train_and_evaluate(config, workdir: str,
         logging.warning("stopped at step %d after SIGTERM; rerun the same command to resume", step)
         break
       if not last:
-        batch = shd.global_batch_from_local(next(batches), mesh)
+        with jax.profiler.TraceAnnotation("input"):  # the host's share, named in a profile
+          batch = shd.global_batch_from_local(next(batches), mesh)
     if start >= total_steps and not evaluated:  # resumed a finished run: report its evaluations
       ev = evaluators.run(state["params"], step, True)
       writer.write_scalars(step, ev)
       results.update(ev)
   finally:
+    profiler.close()
     preemption.restore()
     batches.close()
     ckpts.close()
