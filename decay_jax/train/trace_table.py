@@ -14,10 +14,12 @@ Categories, first match wins:
   transposes/copies  ops that only move data (copy, transpose, slice, concatenate, gather, ...)
   other              the rest: elementwise (GELU, residual updates), reductions, random numbers
 
-Op times are summed over threads (XLA:CPU runs independent ops in parallel), so they are CPU
-time; host-side rows are wall time: ``input pipeline`` (the trainer's ``input`` annotation:
-the next batch read and placed) and ``host gaps`` (wall time of the window with no XLA op
-running anywhere: dispatch, Python, waiting on the host).
+Op time is the sum of the op events' durations: an op XLA splits over its thread pool is one
+event on the thread that launched it, counted once for as long as it ran, so the sum is neither
+wall time nor CPU time (how many cores an op kept busy is not in the trace). Host-side rows are
+wall time: ``input pipeline`` (the trainer's ``input`` annotation: the next batch read and placed)
+and ``host gaps`` (wall time of the window with no XLA op running anywhere: dispatch, Python,
+waiting on the host).
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ _PLUMBING = frozenset(("parameter", "constant"))
 # Ops that only contain others: the trace times their bodies' ops separately.
 _CONTAINERS = frozenset(("while", "call", "conditional", "async-start", "async-done"))
 _MATMUL = frozenset(("dot", "convolution"))
+# Name-stack segments of control flow and remat, not of modules: a scanned stack of blocks is
+# ``.../while/body/closed_call/blocks/...``.
+_CONTROL = frozenset(("while", "body", "cond", "closed_call", "checkpoint", "remat",
+                      "rematted_computation", "scan", "cond_fun", "body_fun"))
 _NORM = re.compile(r"(^|_)norm\d*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*? ([a-z][\w\-]*)\((.*)$")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{\s*$")
@@ -114,7 +120,8 @@ def part(op_name: str) -> Tuple[str, str]:
   for i, s in enumerate(segments):
     if s.startswith("transpose(jvp(") or s.startswith("jvp("):
       direction = "backward" if s.startswith("transpose(") else "forward"
-      below = [t for t in segments[i + 1:] if not t.startswith("jit(")]
+      below = [t for t in segments[i + 1:]
+               if not (t.startswith("jit(") or t.startswith("vmap(") or t in _CONTROL)]
       # One segment left is the primitive itself: an op at the top of the loss function.
       name = below[0].rsplit(".", 1)[-1] if len(below) > 1 else "top level of the loss"
       return name, direction
@@ -195,8 +202,9 @@ def format_table(s: dict) -> str:
   """Markdown tables of ``summarize``'s result."""
   total = sum(s["op_ms"].values()) + s["unmapped_op_ms"]
   pct = lambda v: f"{100 * v / total:.1f}%" if total else "-"
-  lines = [f"{s['steps']} steps of {s['module']}, {s['step_wall_ms']:.1f} ms wall per step, XLA ops "
-           f"on {s['threads']} threads ({total:.1f} ms of op time per step)", "",
+  lines = [f"{s['steps']} steps of {s['module']}, {s['step_wall_ms']:.1f} ms wall per step, ops "
+           f"launched from {s['threads']} threads ({total:.1f} ms of op time per step, each op "
+           "counted once for its duration)", "",
            "| category | ms per step | share of op time |", "|---|---:|---:|"]
   for c in CATEGORIES:
     lines.append(f"| {c} | {s['op_ms'][c]:.1f} | {pct(s['op_ms'][c])} |")
