@@ -96,8 +96,7 @@ def trainer_timing(workdir: str) -> dict:
     raise ValueError(f"from_trainer={workdir!r} is not allowed; it has no {writers.JSONL} (not a "
                      "workdir of decay_jax.main)")
   batch = ckpt_lib.run_config(workdir).batch_size
-  rows = [json.loads(line) for line in paths.read_text(path).splitlines() if line.strip()]
-  rows = [r for r in rows if "examples_per_sec" in r]
+  rows = [r for r in writers.read_rows(workdir) if "examples_per_sec" in r]
   if len(rows) < 2:
     raise ValueError(f"from_trainer={workdir!r} is not allowed; it logged {len(rows)} timing "
                      "window(s), at least 2 are needed (the first warms up)")

@@ -146,8 +146,9 @@ def summarize(run_dir: str) -> dict:
   if not paths.exists(hlo_path):
     raise ValueError(f"path={run_dir!r} is not allowed; it has a trace but no {profiling.HLO_FILE}"
                      " (profiles written by train.profiling have both)")
-  ops, computations = parse_hlo(paths.read_text(hlo_path))
-  module = re.search(r"^HloModule ([\w.\-]+)", paths.read_text(hlo_path), re.M)
+  hlo = paths.read_text(hlo_path)
+  ops, computations = parse_hlo(hlo)
+  module = re.search(r"^HloModule ([\w.\-]+)", hlo, re.M)
   module = module.group(1) if module else None
   with paths.resolve(paths.join(run_dir, profiling.TRACE_FILE)).open("rb") as f:
     events = json.loads(gzip.decompress(f.read()))

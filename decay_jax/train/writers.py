@@ -115,22 +115,27 @@ class JsonlWriter(_ScalarsOnly):
       self._file.close()
 
 
-def read_scalars(workdir: str, key: str) -> List[Tuple[int, float]]:
-  """``[(step, value)]`` of one scalar from ``metrics.jsonl``, the last write winning per step."""
+def read_rows(workdir: str) -> List[dict]:
+  """Every write of ``metrics.jsonl`` in order (``[]`` without the file); a line cut by a crash
+  is skipped."""
   path = paths.resolve(workdir) / JSONL
   if not path.exists():
     return []
-  by_step = {}
+  rows = []
   with path.open("r") as f:
     for line in f:
       if not line.strip():
         continue
       try:
-        row = json.loads(line)
-      except json.JSONDecodeError:  # a line cut by a crash
+        rows.append(json.loads(line))
+      except json.JSONDecodeError:
         continue
-      if key in row:
-        by_step[row["step"]] = float(row[key])
+  return rows
+
+
+def read_scalars(workdir: str, key: str) -> List[Tuple[int, float]]:
+  """``[(step, value)]`` of one scalar from ``metrics.jsonl``, the last write winning per step."""
+  by_step = {row["step"]: float(row[key]) for row in read_rows(workdir) if key in row}
   return sorted(by_step.items())
 
 
