@@ -5,17 +5,25 @@ Each split is a folder of class folders; the sorted class folder names are the l
 are every file below its folder with an image extension, in sorted path order. Images are decoded
 with Pillow when a record is read (in a Grain worker), at any size, and converted to RGB or to
 greyscale (``data.channels``; by default greyscale only when the first training image is).
+
+Training reads go through ``crop_resized`` instead: the RandomResizedCrop box is drawn from the
+header's image size before anything is decoded, a JPEG is decoded at 1/2, 1/4 or 1/8 scale where
+the crop allows (``data.jpeg_draft``), by simplejpeg (the same pixels as Pillow, for less CPU)
+where it can, and only the crop goes through Pillow's resize and flip.
 """
 
 from __future__ import annotations
 
 import functools
+import io
 from typing import List, Optional, Tuple
 
 import numpy as np
 from PIL import Image
+import simplejpeg
 
 from decay_jax import paths
+from decay_jax.data import augment
 from decay_jax.data import config
 from decay_jax.data import splits
 
@@ -73,19 +81,109 @@ def listing(root: str, split: str) -> Tuple[Tuple[str, ...], Tuple[str, ...], np
   return classes, tuple(files), np.asarray(labels, np.int32)
 
 
+def _unreadable(path: str, e: BaseException) -> ValueError:
+  """The one-line error of an image file that cannot be read."""
+  if isinstance(e, Image.UnidentifiedImageError):
+    return ValueError(f"image {path!r} cannot be read (not an image file Pillow can decode)")
+  return ValueError(f"image {path!r} cannot be read ({type(e).__name__}: "
+                    f"{' '.join(str(e).split())[:120]})")
+
+
 def decode(path: str, channels: int) -> np.ndarray:
   """uint8 (H, W, channels) pixels of one image file; one-line ValueError if it cannot be read."""
   try:
     with paths.resolve(path).open("rb") as f, Image.open(f) as image:
       image = image.convert("L" if channels == 1 else "RGB")
       pixels = np.asarray(image)
-  except Image.UnidentifiedImageError:
-    raise ValueError(f"image {path!r} cannot be read (not an image file Pillow can decode)"
-                     ) from None
   except Exception as e:  # pylint: disable=broad-except  (PIL raises many unrelated types)
-    raise ValueError(f"image {path!r} cannot be read ({type(e).__name__}: "
-                     f"{' '.join(str(e).split())[:120]})") from None
+    raise _unreadable(path, e) from None
   return pixels[..., None] if channels == 1 else pixels
+
+
+# The JPEG colour spaces that simplejpeg decodes to exactly Pillow's pixels; CMYK, YCCK and
+# RGB-coded JPEGs are left to Pillow, which converts them its own way.
+_SIMPLEJPEG_SPACES = ("YCbCr", "Gray")
+
+
+def _simplejpeg_crop(data: bytes, mode: str, uniforms: np.ndarray, size: int,
+                     scale: Tuple[float, float], ratio: Tuple[float, float], draft: bool):
+  """``(image, box, factor)`` for ``augment.resized_crop_pil``, decoded by simplejpeg, or None
+  where Pillow is to decode the file (not a YCbCr or grey JPEG, or data libjpeg only warns
+  about, which Pillow decodes as it always has).
+
+  At full scale only the crop is handed to Pillow (``box`` then starts at (0, 0)); reduced, the
+  whole reduced image (the resize reads around the float box).
+  """
+  if not data.startswith(b"\xff\xd8"):
+    return None
+  try:
+    height, width, space, _ = simplejpeg.decode_jpeg_header(data)
+  except Exception:  # pylint: disable=broad-except  (Pillow decides, and words any error)
+    return None
+  limit = Image.MAX_IMAGE_PIXELS
+  if space not in _SIMPLEJPEG_SPACES or (limit and height * width > 2 * limit):
+    return None  # (Pillow refuses such a decompression bomb)
+  box = augment.crop_box(uniforms, height, width, scale, ratio)
+  factor = augment.dct_factor(box[2], box[3], size) if draft else 1
+  grey = space == "Gray" or (mode == "L" and factor > 1)  # reduced: as Pillow's draft('L')
+  shape = (-(-height // factor), -(-width // factor))
+  scaling = {} if factor == 1 else {"min_factor": factor, "min_height": shape[0],
+                                      "min_width": shape[1]}
+  try:
+    pixels = simplejpeg.decode_jpeg(data, "GRAY" if grey else "RGB", **scaling)
+  except Exception:  # pylint: disable=broad-except
+    return None
+  if pixels.shape[:2] != shape:
+    return None
+  if factor == 1:
+    top, left, h, w = box
+    pixels, box = pixels[top:top + h, left:left + w], (0, 0, h, w)
+  return Image.fromarray(pixels[..., 0] if grey else pixels), box, factor
+
+
+def crop_resized(path: str, channels: int, uniforms: np.ndarray, size: int,
+                 scale: Tuple[float, float], ratio: Tuple[float, float], flip: bool,
+                 draft: bool = True) -> np.ndarray:
+  """uint8 (size, size, channels): RandomResizedCrop(size, bicubic) and flip of one image file,
+  decoded no larger than the crop needs; one-line ValueError if it cannot be read.
+
+  The same result as ``augment.augment_batch`` on ``decode(path, channels)`` with the same
+  ``uniforms`` (float64 (NUM_UNIFORMS,)), bit for bit whenever the image is decoded at full
+  scale, at less cost: the box is drawn from the size in the file's header
+  (``augment.crop_box``, i.e. ``crop_params``: torchvision's distribution, whatever follows);
+  then, with ``draft``, a JPEG is decoded at 1/2, 1/4 or 1/8 scale (libjpeg's DCT-domain
+  scaling) when the crop still spans at least ``size`` reduced pixels on both sides
+  (``augment.dct_factor``), a greyscale result (``channels`` 1) of a colour JPEG then decoded as
+  grey (the luma) directly. YCbCr and grey JPEGs are decoded by simplejpeg (libjpeg-turbo, the
+  same pixels as Pillow's decoder at every scale, for 15-21% less CPU per training read than
+  Pillow's ``Image.open``/``load`` in docs/data.md's measurements: no header parsing in Python,
+  one decode call); other files by Pillow (lazy ``Image.open``, ``Image.draft`` for other
+  JPEGs). Only the crop (or the reduced image) is handed to Pillow, which crops, converts (only
+  if the mode differs), resizes and flips (``augment.resized_crop_pil``: how the box maps to a
+  reduced image, and the pixel difference that a reduced decode makes).
+  """
+  mode = "L" if channels == 1 else "RGB"
+  flipped = augment.flips(uniforms, flip)
+  try:
+    with paths.resolve(path).open("rb") as f:
+      data = f.read()
+    decoded = _simplejpeg_crop(data, mode, uniforms, size, scale, ratio, draft)
+    if decoded is not None:
+      return augment.pil_to_uint8(augment.resized_crop_pil(*decoded, size, flipped, mode))
+    with Image.open(io.BytesIO(data)) as image:
+      width, height = image.size
+      box = augment.crop_box(uniforms, height, width, scale, ratio)
+      factor = augment.dct_factor(box[2], box[3], size) if draft else 1
+      if factor > 1:
+        # Pillow picks the largest reduction s with s <= min(W // w', H // h') for the
+        # requested (w', h'); for (W // f, H // f) that is f. None: the format has none.
+        drafted = image.draft(mode, (width // factor, height // factor))
+        factor = round(width / drafted[1][2]) if drafted else 1
+      # Inside the with: an image that needs no crop, resize or flip is loaded only here.
+      return augment.pil_to_uint8(
+          augment.resized_crop_pil(image, box, factor, size, flipped, mode))
+  except Exception as e:  # pylint: disable=broad-except  (PIL raises many unrelated types)
+    raise _unreadable(path, e) from None
 
 
 def native_channels(path: str) -> int:
@@ -93,12 +191,8 @@ def native_channels(path: str) -> int:
   try:
     with paths.resolve(path).open("rb") as f, Image.open(f) as image:
       return 1 if image.mode in _GREY_MODES else 3
-  except Image.UnidentifiedImageError:
-    raise ValueError(f"image {path!r} cannot be read (not an image file Pillow can decode)"
-                     ) from None
   except Exception as e:  # pylint: disable=broad-except
-    raise ValueError(f"image {path!r} cannot be read ({type(e).__name__}: "
-                     f"{' '.join(str(e).split())[:120]})") from None
+    raise _unreadable(path, e) from None
 
 
 class FolderRecords:
@@ -126,3 +220,13 @@ class FolderRecords:
     _, files, labels = listing(self.root, self.name)
     i = self.indices[index]
     return decode(files[i], self.channels), int(labels[i])
+
+  def crop_resized(self, index: int, uniforms: np.ndarray, size: int, scale: Tuple[float, float],
+                   ratio: Tuple[float, float], flip: bool,
+                   draft: bool = True) -> Tuple[np.ndarray, int]:
+    """``(uint8 (size, size, C), label)``: the training crop of record ``index`` straight from its
+    file (module-level ``crop_resized``), for ``loader.ImageTrainExample``."""
+    _, files, labels = listing(self.root, self.name)
+    i = self.indices[index]
+    return (crop_resized(files[i], self.channels, uniforms, size, scale, ratio, flip, draft),
+            int(labels[i]))
