@@ -79,7 +79,16 @@ def check_batch(global_batch: int, mesh: Mesh, accum_steps: int = 1) -> None:
 
 
 def global_batch_from_local(local: Any, mesh: Mesh) -> Any:
-  """Per-process numpy batch -> global ``jax.Array`` split over the batch axes."""
+  """Per-process numpy batch -> global ``jax.Array`` split over the batch axes.
+
+  Leaves that are already ``jax.Array``s (a device-resident stream builds the global batch on the
+  devices) are only placed on the batch sharding, which is free when they are already on it.
+  """
   sharding = batch_sharding(mesh)
-  return jax.tree_util.tree_map(
-      lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), local)
+
+  def put(x):
+    if isinstance(x, jax.Array):
+      return jax.device_put(x, sharding)
+    return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+  return jax.tree_util.tree_map(put, local)

@@ -6,9 +6,12 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
+from decay_jax.data import augment
+from decay_jax.data import on_device
 from decay_jax.data import embedded
 from decay_jax.data import pipeline
 
@@ -82,21 +85,25 @@ def test_dataset_info_and_eval_arrays_embedded():
   assert pipeline.dataset_info(cfg) == {
       "num_train": 10000, "num_classes": 10, "channels": 1, "image_size": 28}
   ev = pipeline.load_eval_arrays(cfg, "test")
-  assert ev["image"].shape == (2000, 28, 28, 1) and ev["image"].dtype == np.float32
+  assert ev["image"].shape == (2000, 28, 28, 1) and ev["image"].dtype == np.uint8
   assert ev["label"].dtype == np.int32
-  # 'resize' at the native size is the identity: exactly the normalised pixels.
+  # 'resize' at the native size is the identity: exactly the pixels (uint8, normalised on device).
   x_test = embedded.load_embedded_mnist()["x_test"]
-  np.testing.assert_array_equal(ev["image"], (x_test.astype(np.float32) / 255 - 0.5) / 0.5)
-  cfg.max_eval_examples, cfg.eval_resize = 100, "resize_crop"
+  np.testing.assert_array_equal(ev["image"], x_test)
+  cfg.max_eval_examples, cfg.eval_resize, cfg.image_size = 100, "resize_crop", 24
   ev = pipeline.load_eval_arrays(cfg)
-  assert ev["image"].shape == (100, 28, 28, 1) and ev["label"].shape == (100,)
+  assert ev["image"].shape == (100, 24, 24, 1) and ev["label"].shape == (100,)
+  # The pixels the former code normalised on the host: each record's evaluation resize.
+  want = np.stack([augment.eval_resize_one(x, 24, "resize_crop") for x in x_test[:100]])
+  assert ev["image"].dtype == np.uint8 and len(np.unique(want)) > 100  # not all blank
+  np.testing.assert_array_equal(ev["image"], want)
 
 
 def test_train_batches_shapes_embedded():
   batch = next(pipeline.make_train_iterator(cfg_for(image_size=32), 64, seed=0))
-  assert batch["image"].shape == (64, 32, 32, 1) and batch["image"].dtype == np.float32
+  assert batch["image"].shape == (64, 32, 32, 1) and batch["image"].dtype == np.uint8
   assert batch["label"].shape == (64,) and batch["label"].dtype == np.int32
-  assert -1.0 <= batch["image"].min() and batch["image"].max() <= 1.0
+  assert batch["image"].max() > 128  # digits: white strokes on black
 
 
 def test_npz_slices_and_info(train_only_npz):
@@ -215,7 +222,7 @@ def test_full_crop_without_flip_is_the_resized_original(indexed_npz, image_size)
   np.testing.assert_array_equal(batch["image"], originals[batch["label"]])
   if image_size == 16:
     x = np.load(indexed_npz)["x_train"]
-    np.testing.assert_array_equal(batch["image"], x[batch["label"]].astype(np.float32) / 255)
+    np.testing.assert_array_equal(batch["image"], x[batch["label"]])  # uint8 on the wire
 
 
 def test_flips_happen_half_the_time(indexed_npz):
@@ -244,16 +251,22 @@ def test_normalisation_values():
   assert pipeline.normalize_uint8(pixels, "imagenet").dtype == np.float32
 
 
-def test_normalisation_through_the_pipeline(indexed_npz):
+def test_normalisation_on_the_device_equals_the_host_normalisation(indexed_npz):
+  # The stream is uint8 whatever the mode; the device turns it into what the host used to ship
+  # (augment.normalize_uint8, torchvision's ToTensor + Normalize) to 1e-6.
   base = dict(image_size=16, crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), flip=False)
-  batches = {mode: next(pipeline.make_train_iterator(
-      cfg_for("npz:" + indexed_npz, normalize=mode, **base), 8, seed=0))
-             for mode in ("none", "half", "imagenet")}
-  x = batches["none"]["image"]
-  assert 0.0 <= x.min() and x.max() <= 1.0
-  np.testing.assert_allclose(batches["half"]["image"], (x - 0.5) / 0.5, atol=1e-6)
-  mean, std = np.array(pipeline.IMAGENET_MEAN), np.array(pipeline.IMAGENET_STD)
-  np.testing.assert_allclose(batches["imagenet"]["image"], (x - mean) / std, atol=1e-5)
+  for mode in ("none", "half", "imagenet"):
+    cfg = cfg_for("npz:" + indexed_npz, normalize=mode, **base)
+    pixels = next(pipeline.make_train_iterator(cfg, 8, seed=0))["image"]
+    assert pixels.dtype == np.uint8 and pixels.shape == (8, 16, 16, 3)
+    mean, std = pipeline.normalization(cfg, 3)
+    host = pipeline.normalize_uint8(pixels, mode)
+    device = np.asarray(jax.jit(lambda x: on_device.to_model_input(x, mean, std))(pixels))
+    assert device.dtype == np.float32 and np.abs(host).max() > 0.5
+    np.testing.assert_allclose(device, host, rtol=0, atol=1e-6)
+  # Floating inputs (latents) pass unchanged.
+  latents = np.linspace(-3, 3, 24, dtype=np.float32).reshape(2, 2, 2, 3)
+  np.testing.assert_array_equal(on_device.to_model_input(latents, (0.5,), (0.5,)), latents)
 
 
 def test_in_memory_sources_do_not_import_tensorflow():
@@ -318,7 +331,7 @@ def tfds_dir(tmp_path_factory):
 
 def pixel_index(batch):
   """The example index each image of a batch was filled with (normalize='none')."""
-  return np.round(batch["image"][:, 0, 0, 0] * 255).astype(int)
+  return batch["image"][:, 0, 0, 0].astype(int)
 
 
 def test_tfds_array_record_dataset_on_disk(tfds_dir):
@@ -341,8 +354,8 @@ def test_tfds_array_record_dataset_on_disk(tfds_dir):
   assert [len(set(s)) for s in shards] == [25, 25]
   assert sorted(np.concatenate(shards)) == list(range(50))
   ev = pipeline.load_eval_arrays(cfg)
-  assert sorted(np.round(ev["image"][:, 0, 0, 0] * 255).astype(int)) == list(range(100, 120))
-  np.testing.assert_array_equal(ev["label"], (np.round(ev["image"][:, 0, 0, 0] * 255) - 100) % 10)
+  assert sorted(ev["image"][:, 0, 0, 0].astype(int)) == list(range(100, 120))
+  np.testing.assert_array_equal(ev["label"], (ev["image"][:, 0, 0, 0].astype(int) - 100) % 10)
   with pytest.raises(ValueError, match="^eval_split="):
     pipeline.load_eval_arrays(cfg_for("tiny_indexed", data_dir=tfds_dir, eval_split="validation"))
   with pytest.raises(ValueError, match="^train_split="):
@@ -394,8 +407,7 @@ def test_tfds_mock_data_shapes(name, channels):
                                                 process_count=2), 3)
     for batch in batches:
       assert batch["image"].shape == (4, 32, 32, channels)
-      assert batch["image"].dtype == np.float32 and batch["label"].dtype == np.int32
-      assert np.isfinite(batch["image"]).all()
+      assert batch["image"].dtype == np.uint8 and batch["label"].dtype == np.int32
     ev = pipeline.load_eval_arrays(cfg, "train")
     assert ev["image"].shape == (6, 32, 32, channels) and ev["label"].shape == (6,)
 

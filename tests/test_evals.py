@@ -253,10 +253,17 @@ def test_feature_choices_and_pool_all():
 
 
 def test_feature_cache_one_pass_same_values():
+  """The cache takes uint8 pixels and normalises them on device: its features equal those of the
+  host-normalised float32 images (the former input path), from one forward pass."""
   from decay_jax import sharding as shd
-  model, params, images = micro()
+  from decay_jax.data import pipeline
+  model, params, _ = micro()
+  images = np.asarray(jax.random.randint(jax.random.key(3), (6, 16, 16, 3), 0, 256), np.uint8)
+  data_cfg = pipeline.default_data_config()
+  data_cfg.normalize = "imagenet"
+  host = pipeline.normalize_uint8(images, "imagenet")  # what load_eval_arrays used to return
   mesh = shd.make_mesh(1, 1)
-  cache = features.FeatureCache(model, params, mesh, batch_size=4)
+  cache = features.FeatureCache(model, params, mesh, batch_size=4, data_cfg=data_cfg)
   cache.want(images, ("mean",), None)
   cache.want(images, ("cls_ln", "mean"), (-1,))
   calls = []
@@ -268,10 +275,18 @@ def test_feature_cache_one_pass_same_values():
   finally:
     features.extract = original
   assert len(calls) == 1  # one forward for both requests
-  direct = features.extract(features.pooled_fn(model, ("mean", "cls_ln")), params, images, mesh, 4)
+  direct = features.extract(features.pooled_fn(model, ("mean", "cls_ln")), params, host, mesh, 4)
   assert all_blocks.shape == (6, 4, 1, 32) and last.shape == (6, 1, 2, 32)
-  np.testing.assert_allclose(all_blocks[:, :, 0], direct[:, :, 0], rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(last[:, 0, 0], direct[:, -1, 1], rtol=1e-5, atol=1e-6)
+  scale = float(np.abs(direct).max())
+  assert scale > 0.1  # not vacuous
+  np.testing.assert_allclose(all_blocks[:, :, 0], direct[:, :, 0], rtol=0, atol=1e-6 * scale)
+  np.testing.assert_allclose(last[:, 0, 0], direct[:, -1, 1], rtol=0, atol=1e-6 * scale)
+  # on_pixels (every evaluator's feature function) is the same function of the pixels; a float
+  # array (already normalised, or latents) passes through unchanged.
+  on_pixels = features.on_pixels(features.pooled_fn(model, ("mean", "cls_ln")), data_cfg)
+  np.testing.assert_allclose(features.extract(on_pixels, params, images, mesh, 4), direct,
+                             rtol=0, atol=1e-6 * scale)
+  np.testing.assert_array_equal(features.extract(on_pixels, params, host, mesh, 4), direct)
 
 
 def test_branch_norms_match_a_hand_computation():

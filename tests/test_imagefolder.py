@@ -7,6 +7,7 @@ image that keeps the checkpoints, and device-count invariance.
 The training commands of this module share one JAX compilation cache (the first run compiles, the
 others load the same executables), so that five real runs fit in a CI minute or two."""
 
+import json
 import os
 import shutil
 import signal
@@ -27,7 +28,7 @@ from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import trainer
 from test_train import restore_params, tiny_config
 from testing_configs import FailingExample, session_processes, wait_for_no_processes
-from testing_configs import write_digit_folder
+from testing_configs import run_to_end, write_digit_folder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The command of the issue, made tiny: micro model, 16-px crops, 8 steps, a checkpoint every 2.
@@ -92,11 +93,10 @@ def test_info_labels_and_channels(digits):
   rgb = cfg_for("imagefolder:" + digits["dir"], image_size=16, channels=3, normalize="imagenet")
   assert pipeline.dataset_info(rgb)["channels"] == 3
   ev_rgb = pipeline.load_eval_arrays(rgb)
-  assert ev_rgb["image"].shape == (20, 16, 16, 3)
-  # Grey converted to RGB: three equal channels before the per-channel normalisation.
-  pixels = ev_rgb["image"] * np.asarray(loader.augment.IMAGENET_STD) + np.asarray(
-      loader.augment.IMAGENET_MEAN)
-  np.testing.assert_allclose(pixels[..., 0], pixels[..., 2], atol=1e-5)
+  assert ev_rgb["image"].shape == (20, 16, 16, 3) and ev_rgb["image"].dtype == np.uint8
+  # Grey converted to RGB: three equal channels (the devices normalise them per channel).
+  assert ev_rgb["image"].max() > 0
+  np.testing.assert_array_equal(ev_rgb["image"][..., 0], ev_rgb["image"][..., 2])
 
 
 def test_stream_equals_the_npz_stream_of_the_same_pixels(digits):
@@ -257,7 +257,7 @@ def test_an_error_a_worker_cannot_send_back_gives_one_line(workers):
   # Grain pickles a worker's exception to send it; this one cannot be pickled (it holds a lock),
   # which used to leave the training process waiting for ever. Same line with or without workers.
   stream = loader.TrainStream(FailingExample(at=5), loader.Layout(4, 0, 1, 0), 0,
-                              loader.Parallelism(workers, 1, 2), None, "imagefolder:/x:train[:8]")
+                              loader.Parallelism(workers, 1, 2), "imagefolder:/x:train[:8]")
   try:
     assert next(stream)["label"].tolist() == [0, 1, 2, 3]
     with pytest.raises(loader.InputError) as e:
@@ -343,26 +343,47 @@ def _command(workdir, folder):
 _CACHE = {}  # the module's JAX compilation cache directory (set by the digits fixture)
 
 
-def _env():
+def _env(**extra):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+  env.update(extra)
   if "dir" in _CACHE:
     env.update(JAX_COMPILATION_CACHE_DIR=_CACHE["dir"],
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   return env
 
 
-def _run(workdir, folder):
+# Put first on PYTHONPATH, this sitecustomize makes every Grain worker process of the command write
+# the names in its sys.modules (and its resident memory) to MODULES_DIR/<pid>.json, five times a
+# second, for as long as it lives: what a worker has imported after it has read and augmented.
+_WORKER_WATCH = """
+import json, os, sys, threading, time
+def _watch(directory):
+  import multiprocessing
+  while True:
+    time.sleep(0.2)
+    if not multiprocessing.current_process().name.startswith("grain-process-prefetch"):
+      continue
+    try:
+      names = sorted(list(sys.modules))
+    except RuntimeError:  # an import in another thread changed sys.modules: next time
+      continue
+    with open("/proc/self/status") as f:
+      rss = [int(l.split()[1]) for l in f if l.startswith("VmRSS:")][0] // 1024
+    path = os.path.join(directory, "%d.json" % os.getpid())
+    with open(path + ".tmp", "w") as f:
+      json.dump({"modules": names, "rss_mb": rss}, f)
+    os.replace(path + ".tmp", path)
+if os.environ.get("MODULES_DIR"):
+  threading.Thread(target=_watch, args=(os.environ["MODULES_DIR"],), daemon=True).start()
+"""
+# What a worker must not import: a 700 MB worker is one that re-imported the training command.
+_HEAVY = ("tensorflow", "flax", "optax", "orbax", "clu", "decay_jax.models", "decay_jax.train",
+          "decay_jax.evals", "decay_jax.diffusion", "decay_jax.cli", "decay_jax.io")
+
+
+def _run(workdir, folder, **extra_env):
   """Runs the training command to its end; checks that it left no process behind."""
-  proc = subprocess.Popen(_command(workdir, folder), cwd=REPO, env=_env(), text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-  try:
-    stdout, stderr = proc.communicate(timeout=300)
-  finally:
-    if proc.poll() is None:
-      os.killpg(proc.pid, signal.SIGKILL)
-      proc.wait()
-  assert wait_for_no_processes(proc.pid) == [], "the command left processes behind"
-  return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+  return run_to_end(_command(workdir, folder), REPO, _env(**extra_env))
 
 
 def _final_params(workdir):
@@ -372,10 +393,42 @@ def _final_params(workdir):
 
 @pytest.fixture(scope="module")
 def uninterrupted(digits):
+  """The uninterrupted run's final parameters; its Grain workers' modules go to worker_modules."""
   workdir = os.path.join(digits["root"], "straight")
-  p = _run(workdir, digits["dir"])
+  watch, modules = os.path.join(digits["root"], "watch"), os.path.join(digits["root"], "modules")
+  os.makedirs(watch)
+  os.makedirs(modules)
+  with open(os.path.join(watch, "sitecustomize.py"), "w") as f:
+    f.write(_WORKER_WATCH)
+  p = _run(workdir, digits["dir"], PYTHONPATH=os.pathsep.join([watch, REPO]), MODULES_DIR=modules)
   assert p.returncode == 0, p.stderr[-3000:]
+  _CACHE["modules"] = modules
   return _final_params(workdir)
+
+
+def test_workers_of_a_training_command_import_only_what_reading_needs(uninterrupted):
+  # Grain spawns its workers; they must not re-import the command's __main__ (the trainer, flax,
+  # optax, orbax, clu, TensorFlow: about 700 MB each), only what reading and augmenting import.
+  del uninterrupted
+  # Grain 0.2.18 imports jax and part of orbax (its checkpoint handlers) itself: the floor.
+  grain_floor = set(subprocess.run(
+      [sys.executable, "-c", "import sys, grain; print(' '.join(sys.modules))"], check=True,
+      capture_output=True, text=True, env=_env()).stdout.split())
+  assert "jax" in grain_floor
+  found = sorted(os.listdir(_CACHE["modules"]))
+  assert len(found) == 2, found  # data.num_workers=2
+  for name in found:
+    with open(os.path.join(_CACHE["modules"], name)) as f:
+      seen = json.load(f)
+    modules = seen["modules"]
+    heavy = [m for m in modules if any(m == h or m.startswith(h + ".") for h in _HEAVY)
+             and m not in grain_floor]
+    assert heavy == [], (name, heavy[:20])
+    # It did read and augment (the loader, the folder source, Pillow are there) ...
+    assert {"decay_jax.data.loader", "decay_jax.data.folder", "PIL.Image"} <= set(modules)
+    # ... and Grain itself brings jax, the floor of this path.
+    assert "jax" in modules, name
+    print(f"worker {name}: {len(modules)} modules, {seen['rss_mb']} MB resident")
 
 
 def test_sigkill_and_rerun_give_the_uninterrupted_parameters(digits, uninterrupted):

@@ -16,6 +16,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from decay_jax import sharding as shd
+from decay_jax.data import augment, pipeline
 from decay_jax.evals import registry
 from decay_jax.models import factory
 from decay_jax.train import optim, trainer
@@ -211,3 +212,24 @@ def test_fsdp_rule():
   assert shd.fsdp_spec((12, 768, 3072), 8) == jax.sharding.PartitionSpec(None, None, "fsdp")
   assert shd.fsdp_spec((768,), 8) == jax.sharding.PartitionSpec()  # too small
   assert shd.fsdp_spec((1000, 1001), 8) == jax.sharding.PartitionSpec("fsdp", None)
+
+
+def test_uint8_step_equals_the_step_on_host_normalised_images():
+  # uint8 on the wire: the step normalises on the device; its numbers stay those of the old path,
+  # which shipped host-normalised float32 (augment.normalize_uint8), to 1e-6.
+  config = tiny_config()
+  config.data.normalize = "half"
+  info, model, mesh = trainer.check_config(config)
+  task = trainer.make_task(config, model, info)
+  tx, schedule = trainer.make_optimizer(config, task, 10, 2)
+  step = jax.jit(step_lib.make_train_step(task, tx, schedule))
+  state = step_lib.init_state(task, tx, config.seed)
+  pixels = next(pipeline.make_train_iterator(config.data, config.batch_size, config.seed))
+  assert pixels["image"].dtype == np.uint8
+  host = dict(pixels, image=augment.normalize_uint8(pixels["image"], "half"))
+  new_u8, m_u8 = step(state, pixels)
+  new_f32, m_f32 = step(state, host)
+  assert abs(float(m_u8["loss"])) > 1e-3
+  for key in ("loss", "grad_norm", "update_norm"):
+    np.testing.assert_allclose(float(m_u8[key]), float(m_f32[key]), rtol=1e-6, atol=0)
+  chex.assert_trees_all_close(new_u8["params"], new_f32["params"], atol=1e-6, rtol=0)

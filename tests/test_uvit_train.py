@@ -202,6 +202,31 @@ def test_probe_features_are_the_noised_block_outputs_of_each_image():
     diffusion_probe.probed(model, 1.5)
 
 
+def test_probe_of_uint8_pixels_equals_the_probe_of_host_normalised_images():
+  """The evaluators hand the probe uint8 pixels, normalised inside its compiled function: the
+  noise keys (from the pixels' float values) and the features are those of the float32 images
+  the host used to normalise."""
+  from decay_jax.data import pipeline
+  from decay_jax.evals import features
+  config = tiny()
+  _, model, _ = trainer.check_config(config)
+  probe = diffusion_probe.probed(model, 0.1)
+  params = jax.jit(lambda: model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 1)),
+                                      jnp.zeros((1,)))["params"])()
+  pixels = np.asarray(jax.random.randint(jax.random.key(6), (4, 16, 16, 1), 0, 256), np.uint8)
+  host = pipeline.normalize_uint8(pixels, config.data.normalize)  # 'half': [-1, 1]
+  apply = lambda p, x: probe.apply({"params": p}, x, method=probe.features)
+  want = np.asarray(jax.jit(apply)(params, host))
+  got = np.asarray(jax.jit(features.on_pixels(apply, config.data))(params, pixels))
+  scale = float(np.abs(want).max())
+  assert want.shape == (7, 4, 16, 128) and scale > 0.1
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * scale)
+  keys = lambda x: jax.random.key_data(diffusion_probe.fingerprint_keys(x))
+  np.testing.assert_array_equal(
+      jax.jit(lambda x: keys(features.on_pixels(lambda _, y: y, config.data)(None, x)))(pixels),
+      keys(jnp.asarray(host)))
+
+
 def test_evaluate_command_probes_the_run(run):
   workdir, _ = run
   out = os.path.join(workdir, "evaluation")

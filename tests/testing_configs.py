@@ -2,6 +2,8 @@
 
 import importlib.util
 import os
+import signal
+import subprocess
 
 from decay_jax.train import config as config_lib
 
@@ -100,3 +102,18 @@ class FailingExample:
     if j == self.at:
       raise _Unpicklable(f"record {j} is cursed")
     return {"image": np.zeros((2, 2, 1), np.uint8), "label": np.int32(j)}
+
+
+def run_to_end(args, cwd: str, env: dict, timeout: float = 300):
+  """Runs a command in its own session to its end (killed after ``timeout`` s); checks that it
+  left no process behind. Returns the ``subprocess.CompletedProcess`` (text stdout and stderr)."""
+  proc = subprocess.Popen(args, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, start_new_session=True)
+  try:
+    stdout, stderr = proc.communicate(timeout=timeout)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+  assert wait_for_no_processes(proc.pid) == [], "the command left processes behind"
+  return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)

@@ -216,7 +216,11 @@ def main(argv):
     state, data = c["a_state"], a_batch
   else:
     rng = np.random.default_rng(0)
-    local = {"image": rng.standard_normal(a_batch["image"].shape, np.float32),
+    shape, dtype = a_batch["image"].shape, np.dtype(a_batch["image"].dtype)
+    # The stream's dtype: uint8 pixels (normalised inside the step) or float32 latents.
+    image = (rng.integers(0, 256, shape, np.uint8) if dtype == np.uint8
+             else rng.standard_normal(shape, np.float32))
+    local = {"image": image,
              "label": rng.integers(0, 10, batch).astype(np.int32)}
     data = shd.global_batch_from_local(local, mesh)
     state = jax.jit(lambda: step_lib.init_state(task, tx, config.seed, ema),

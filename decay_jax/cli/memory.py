@@ -37,6 +37,7 @@ from ml_collections import config_flags
 from decay_jax import paths
 from decay_jax import sharding as shd
 from decay_jax.cli import errors
+from decay_jax.data import on_device
 from decay_jax.models import factory, layers
 from decay_jax.train import export, trainer
 from decay_jax.train import config as config_lib
@@ -65,7 +66,8 @@ def build(config, batch: int, channels: int = 0):
 
 def abstract_batch(model, config, batch: int, mesh):
   """The input batch as ``ShapeDtypeStruct``s split over the mesh: image (B, H, W, C), label (B,)."""
-  return export.abstract_batch(model, config.task, batch, mesh)
+  return export.abstract_batch(model, config.task, batch, mesh,
+                               on_device.stream_dtype(config.data))
 
 
 def memory_report(compiled) -> dict:

@@ -29,10 +29,17 @@ Everything is driven by one ``ml_collections.ConfigDict`` (start from ``default_
       ``S x S``, for tiny images).
   ``channels``: None (the source's own: 1 for a folder of greyscale images, else 3) or 1 / 3 to
       convert every decoded image of an image folder to that many channels.
+  ``jpeg_draft``: image folders decode a training JPEG at 1/2, 1/4 or 1/8 scale when the crop
+      still spans ``image_size`` reduced pixels (``decay_jax.data.folder.crop_resized``; a slight
+      pixel difference); False decodes every image at full scale.
   ``num_workers``: Grain worker processes that read, decode and augment (0 = in this process).
   ``num_threads``: threads per process preparing batches concurrently; ``prefetch``: batches
       prepared ahead per process. None of the three changes a single value of the stream.
   ``data_dir`` (TFDS only), ``max_eval_examples`` (None = the whole split).
+  ``on_device``: False (the host path above) or True: the train split of an npz or
+      ``embedded_mnist`` source is kept on the devices and each batch is gathered, cropped and
+      flipped there in one jitted program (``decay_jax.data.resident``; same order and rule as the
+      host path, ``jax.random`` draws instead of numpy's); not with ``rand_augment``.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ EMBEDDED_NPZ = os.path.join(EMBEDDED_DIR, "mnist_10k.npz")
 # The fields check_fields reads (its memory, ``validate.check_once``, is keyed by their values).
 _CHECKED_FIELDS = ("image_size", "crop_scale", "crop_ratio", "flip", "normalize", "eval_resize",
                    "max_eval_examples", "dataset", "channels", "num_workers", "num_threads",
-                   "prefetch", "rand_augment")
+                   "prefetch", "rand_augment", "on_device", "jpeg_draft")
 # One token of timm's RandAugment string after 'rand': m<magnitude>, mstd<std>, n<ops>, inc<0|1>.
 _RAND_AUGMENT_TOKEN = re.compile(r"(mstd|m|n|inc)(\d+(?:\.\d+)?)")
 
@@ -91,6 +98,11 @@ def default_data_config() -> ml_collections.ConfigDict:
       # '' (none) or timm's RandAugment string, e.g. fine-tuning's 'rand-m9-mstd0.5-inc1'; applied
       # after the crop and flip (data/randaugment.py).
       "rand_augment": "",
+      # True: the train split lives on the devices, batches are built there (data/resident.py).
+      "on_device": False,
+      # Image folders: decode a training JPEG at 1/2, 1/4 or 1/8 scale when the crop still spans
+      # image_size pixels (data/folder.py); False: always at full scale.
+      "jpeg_draft": True,
   })
 
 
@@ -122,6 +134,8 @@ def _check_fields_uncached(cfg: ml_collections.ConfigDict) -> None:
   if not isinstance(cfg.dataset, str):
     raise validate.not_allowed("dataset", cfg.dataset, "it must be a string")
   rand_augment_params(cfg.get("rand_augment", ""))
+  validate.check_flag("on_device", cfg.get("on_device", False))
+  validate.check_flag("jpeg_draft", cfg.get("jpeg_draft", True))
 
 
 def rand_augment_params(spec: str) -> Optional[dict]:

@@ -10,8 +10,12 @@ process count, worker count or thread count.
 
 Grain runs it: a ``MapDataset`` over this process's positions, mapped to augmented uint8 examples
 and batched (each batch is built by one thread of one worker, so workers never reorder anything),
-read by ``num_threads`` threads in each of ``num_workers`` processes (``mp_prefetch``), normalised
-to float32 in the training process. ``TrainStream.get_state()`` is Grain's iterator state plus the
+read by ``num_threads`` threads in each of ``num_workers`` processes (``mp_prefetch``). A worker
+stacks each batch straight into shared memory, which the training process maps without a copy,
+and the batch stays uint8: the training process does no per-pixel work (the jitted step
+normalises on the devices, ``decay_jax.data.on_device``). The workers start without re-importing
+the command's ``__main__`` module (``light_worker_spawn``), so they hold only what reading and
+augmenting import. ``TrainStream.get_state()`` is Grain's iterator state plus the
 facts it is valid for; the trainer saves it in each checkpoint and hands it back on resume.
 
 Anything that fails while reading (a record in a thread or a worker process, a worker that died)
@@ -101,16 +105,22 @@ class AugmentSpec:
   normalize: str
   eval_resize: str
   rand_augment: str = ""
+  jpeg_draft: bool = True
 
   @classmethod
   def of(cls, cfg) -> "AugmentSpec":
     return cls(int(cfg.image_size), tuple(cfg.crop_scale), tuple(cfg.crop_ratio), bool(cfg.flip),
-               str(cfg.normalize), str(cfg.eval_resize), str(cfg.get("rand_augment", "")))
+               str(cfg.normalize), str(cfg.eval_resize), str(cfg.get("rand_augment", "")),
+               bool(cfg.get("jpeg_draft", True)))
 
 
 class ImageTrainExample:
   """``j -> {'image': uint8 (S, S, C), 'label': int32}``: MAE's crop and flip of one record, then
-  RandAugment where ``spec.rand_augment`` asks for it (its draws seeded by seed and position)."""
+  RandAugment where ``spec.rand_augment`` asks for it (its draws seeded by seed and position).
+
+  Records that offer ``crop_resized`` (image folders) crop and resize while decoding, from the
+  same draws (the same box, decoded no larger than it needs: ``decay_jax.data.folder``); others
+  (npz, TFDS, embedded) hand over the whole image for ``augment.augment_batch``."""
 
   def __init__(self, records, layout: Layout, seed: int, spec: AugmentSpec):
     self.records, self.layout, self.spec, self.seed = records, layout, spec, seed
@@ -119,23 +129,19 @@ class ImageTrainExample:
 
   def __call__(self, j: int) -> Dict[str, np.ndarray]:
     position = self.layout.position(j)
-    image, label = self.records[self.order(position)]
     uniforms = augment.example_uniforms(position, self.seed)
-    out = augment.augment_batch(image[None], uniforms[None], self.spec.image_size, self.spec)[0]
+    spec = self.spec
+    crop_resized = getattr(self.records, "crop_resized", None)
+    if crop_resized is not None:
+      out, label = crop_resized(self.order(position), uniforms, spec.image_size, spec.crop_scale,
+                                spec.crop_ratio, spec.flip, spec.jpeg_draft)
+    else:
+      image, label = self.records[self.order(position)]
+      out = augment.augment_batch(image[None], uniforms[None], spec.image_size, spec)[0]
     if self.rand_augment is not None:
       out = augment.rand_augment_one(out, self.spec.normalize, self.rand_augment,
                                      augment.example_rng(position, self.seed, RAND_AUGMENT_STREAM))
     return {"image": out, "label": np.int32(label)}
-
-
-class Normalize:
-  """uint8 batch -> float32 batch ``(x / 255 - mean) / std`` (runs in the training process)."""
-
-  def __init__(self, mode: str):
-    self.mode = mode
-
-  def __call__(self, batch: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-    return {"image": augment.normalize_uint8(batch["image"], self.mode), "label": batch["label"]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +257,38 @@ def _start_quiet_resource_tracker() -> None:
       os.environ["PYTHONWARNINGS"] = previous
 
 
+# multiprocessing names Grain 0.2.18's worker processes so (process_prefetch.py).
+_GRAIN_WORKER_NAME = "grain-process-prefetch"
+
+
+def light_worker_spawn() -> None:
+  """Grain's worker processes start without re-importing the command's ``__main__`` module.
+
+  Grain spawns its workers, and spawn re-imports the parent's ``__main__`` in each child (by
+  module name for ``python -m``, by path for a script): for a training command that is jax,
+  flax, optax, orbax, clu, TensorFlow and the whole trainer, about 700 MB per worker, for code
+  the worker never runs (google/grain#802). A worker needs only the pickled dataset, whose
+  classes import by reference (this module, the sources, Pillow, numpy; Grain itself imports
+  jax). So the preparation data of processes Grain names as its workers leaves the main module
+  out; every other process this program spawns is started as multiprocessing always does.
+  Idempotent.
+  """
+  from multiprocessing import spawn  # pylint: disable=g-import-not-at-top
+  if getattr(spawn.get_preparation_data, "_without_main_for_grain", False):
+    return
+  original = spawn.get_preparation_data
+
+  def get_preparation_data(name):
+    data = original(name)
+    if str(name).startswith(_GRAIN_WORKER_NAME):
+      data.pop("init_main_from_name", None)
+      data.pop("init_main_from_path", None)
+    return data
+
+  get_preparation_data._without_main_for_grain = True  # pylint: disable=protected-access
+  spawn.get_preparation_data = get_preparation_data
+
+
 def stream_identity(layout: Layout, seed: int, parallel: Parallelism, source: str) -> dict:
   """What a saved stream state must agree on to be restored (all but the start step)."""
   return {"layout": dict(dataclasses.asdict(layout), start_step=None), "seed": seed,
@@ -288,10 +326,14 @@ class TrainStream:
   """
 
   def __init__(self, example: Callable[[int], dict], layout: Layout, seed: int,
-               parallel: Parallelism, finish: Optional[Callable[[dict], dict]], source: str):
+               parallel: Parallelism, source: str):
     self.layout, self.seed, self.parallel, self.source = layout, seed, parallel, source
     dataset = grain.MapDataset.range(_ENDLESS).map(OneLineErrors(example)).batch(
         layout.local_batch)
+    if parallel.num_workers > 0:
+      # The worker stacks the batch into shared memory itself (Grain would otherwise stack it,
+      # then copy it there); Grain enables this only for a batch right before mp_prefetch.
+      dataset.enable_shared_memory_output()
     stream = dataset.to_iter_dataset(grain.ReadOptions(
         num_threads=parallel.num_threads, prefetch_buffer_size=parallel.prefetch))
     if parallel.num_workers > 0:
@@ -299,12 +341,11 @@ class TrainStream:
       if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
       _start_quiet_resource_tracker()
+      light_worker_spawn()
       stream = stream.mp_prefetch(
           grain.MultiprocessingOptions(num_workers=parallel.num_workers,
                                        per_worker_buffer_size=parallel.prefetch),
           worker_init_fn=worker_init)
-    if finish is not None:
-      stream = stream.map(finish)
     self._iterator = iter(stream)
     self.next_step = layout.start_step
     self.restored = False  # whether Grain's iterator came from a saved state
@@ -372,9 +413,11 @@ class ImageEvalExample:
 
 def eval_arrays(records, spec: AugmentSpec, n: int, parallel: Parallelism,
                 source: Optional[str] = None) -> Dict[str, np.ndarray]:
-  """``{'image': float32 (n, S, S, C) normalised, 'label': int32 (n,)}``: the first n records.
+  """``{'image': uint8 (n, S, S, C), 'label': int32 (n,)}``: the first n records, resized.
 
-  ``source`` (e.g. ``"imagefolder:/data:test"``) names the dataset and split in errors.
+  The pixels stay uint8 (a quarter of float32's host memory); the evaluators normalise them on
+  the devices (``decay_jax.data.on_device.to_model_input``). ``source`` (e.g.
+  ``"imagefolder:/data:test"``) names the dataset and split in errors.
   """
   try:
     parts = list(eval_batches(ImageEvalExample(records, spec), n, parallel))
@@ -386,4 +429,4 @@ def eval_arrays(records, spec: AugmentSpec, n: int, parallel: Parallelism,
     raise InputError(where + one_line(e)) from None
   images = np.concatenate([p["image"] for p in parts])
   labels = np.concatenate([p["label"] for p in parts]).astype(np.int32)
-  return {"image": augment.normalize_uint8(images, spec.normalize), "label": labels}
+  return {"image": images, "label": labels}

@@ -47,10 +47,6 @@ class Source:
     """``j -> example`` of the training stream (images: MAE's crop and flip)."""
     return loader.ImageTrainExample(records, layout, seed, self.spec)
 
-  def finish(self):
-    """What turns a batch of examples into a model batch, in the training process."""
-    return loader.Normalize(self.spec.normalize)
-
   def train_iterator(self, global_batch: int, seed: int, start_step: int, process_index: int,
                      process_count: int, state: Optional[dict] = None) -> loader.TrainStream:
     """See ``pipeline.make_train_iterator``; the arguments have passed ``config.check_batch``."""
@@ -59,7 +55,7 @@ class Source:
     layout = loader.Layout(global_batch, process_index, process_count, start_step)
     saved = loader.resume_layout(state, layout, seed, self.parallel, name)
     stream = loader.TrainStream(self.train_example(records, saved or layout, seed), saved or layout,
-                                seed, self.parallel, self.finish(), name)
+                                seed, self.parallel, name)
     if saved is not None:
       stream.restore(state)
     return stream
@@ -140,9 +136,6 @@ class LatentSource(Source):
   def train_example(self, records, layout, seed):
     order = loader.EpochOrder(seed, len(records), latents.ORDER_STREAM)
     return latents.LatentTrainExample(records, layout, seed, self.spec.flip, order)
-
-  def finish(self):
-    return None
 
   def eval_arrays(self, split, field):
     del field

@@ -11,6 +11,10 @@ computed by the same code.
 Evaluators that pool block outputs also have ``requests()`` (the images, feature choices and blocks
 they will pool) and a ``cache`` attribute: ``decay_jax.cli.evaluate`` gives all evaluators of a model
 one ``features.FeatureCache`` so that each image set goes through the encoder once.
+
+Images stay uint8 pixels on the host (``load_split``, the linear probe's augmented stream); every
+compiled feature function normalises them on the devices first (``features.on_pixels`` with the
+evaluator's data config).
 """
 
 from __future__ import annotations
@@ -35,9 +39,11 @@ PROTOCOLS = ("official", "official_std", "mae")
 def load_split(data_cfg, split: str, max_examples: int) -> Dict[str, np.ndarray]:
   """The first ``max_examples`` (0: all) images of ``split``, resized without augmentation.
 
-  Returns read-only arrays ``{'image': (N, S, S, C) float32, 'label': (N,) int32}``, shared by all
-  evaluators that ask for the same data (KNN, linear and per-block probes read the same training
-  images once). The images live in host memory: ``max_examples`` bounds it (224 px: 0.6 MB each).
+  Returns read-only arrays ``{'image': (N, S, S, C) uint8, 'label': (N,) int32}`` (float32
+  latents for a latent source), shared by all evaluators that ask for the same data (KNN, linear
+  and per-block probes read the same training images once). The pixels are normalised on the
+  devices (``features.on_pixels``). The images live in host memory: ``max_examples`` bounds it
+  (224 px RGB: 0.15 MB each).
   """
   validate.check_int("max_examples", max_examples, 0)
   cfg = data_cfg.copy_and_resolve_references()
@@ -121,7 +127,8 @@ class LinearEvaluator:
     self.test = load_split(data_cfg, cfg.eval_split, cfg.max_eval_examples)
     self.num_classes = _num_classes(self.train["label"], self.test["label"])
     self.layers = (features.num_blocks(self.model) - 1,)
-    self.fn = features.pooled_fn(self.model, self.choices, self.layers)
+    self.fn = features.on_pixels(features.pooled_fn(self.model, self.choices, self.layers),
+                                 data_cfg)
     self.cache = None
 
   def requests(self):
@@ -133,7 +140,8 @@ class LinearEvaluator:
 
   def _augmented_batches(self, params):
     """``(batches(epoch), steps_per_epoch, stream)`` recomputing features from augmented images
-    (the caller closes ``stream``)."""
+    (the caller closes ``stream``). The stream's uint8 batches go to the devices as they are;
+    ``self.fn`` normalises them with the same statistics as the evaluation arrays."""
     m = self.cfg.mae
     aug = self.data_cfg.copy_and_resolve_references()
     with aug.unlocked():
@@ -147,7 +155,7 @@ class LinearEvaluator:
                        f"most the number of training images")
     stream = pipeline.make_train_iterator(aug, m.batch_size, self.cfg.seed,
                                           process_index=jax.process_index(),
-                                          process_count=jax.process_count())
+                                          process_count=jax.process_count(), mesh=self.mesh)
     feats = jax.jit(self.fn)
 
     def batches(epoch: int):
@@ -233,7 +241,7 @@ class LayerwiseEvaluator:
     self.train = load_split(data_cfg, cfg.train_split, cfg.max_train_examples)
     self.test = load_split(data_cfg, cfg.eval_split, cfg.max_eval_examples)
     self.num_classes = _num_classes(self.train["label"], self.test["label"])
-    self.fn = features.pooled_fn(self.model, (cfg.feature,))
+    self.fn = features.on_pixels(features.pooled_fn(self.model, (cfg.feature,)), data_cfg)
     self.cache = None
 
   def requests(self):
@@ -301,7 +309,7 @@ class RankEvaluator:
       return dict(out, token_rho=rank.entropy_rank(tokens).T,  # (N, L)
                   token_rho_centred=rank.entropy_rank(tokens, center=True).T)
 
-    self.fn, self.post = fn, spectra
+    self.fn, self.post = features.on_pixels(fn, data_cfg), spectra
 
   def evaluate(self, params) -> Dict[str, dict]:
     res = features.extract(self.fn, params, self.images, self.mesh, self.cfg.batch_size,
@@ -358,7 +366,7 @@ class KnnEvaluator:
       tokens = model.apply({"params": params}, images, method=model.features)[-1]
       return knn.pool_tokens(tokens, cfg.pool, cfg.layernorm)
 
-    self.features = last_block
+    self.features = features.on_pixels(last_block, data_cfg)
 
   def requests(self):
     return [(d["image"], (self.choice,), (-1,)) for d in (self.train, self.test)]
@@ -397,7 +405,8 @@ class AccuracyEvaluator:
     self.cfg, self.mesh, self.model = cfg, mesh, model
     self.every_steps = cfg.every_steps
     self.test = load_split(data_cfg, cfg.eval_split, cfg.max_eval_examples)
-    self.fn = lambda params, images: model.apply({"params": params}, images)
+    self.fn = features.on_pixels(lambda params, images: model.apply({"params": params}, images),
+                                 data_cfg)
 
   def evaluate(self, params) -> Dict[str, dict]:
     logits = features.extract(self.fn, params, self.test["image"], self.mesh, self.cfg.batch_size)

@@ -5,6 +5,10 @@ A *feature choice* names how the tokens of one encoder block become one vector p
 ``'patch_mean'`` (mean of the patch tokens), optionally followed by ``'_ln'`` for a parameter-free
 LayerNorm after pooling (the decayed MAE has no final LayerNorm; upstream MAE probes one, so the
 ``_ln`` variants stand in for it). Examples: ``'mean'``, ``'cls_ln'``, ``'patch_mean_ln'``.
+
+Images reach every feature function as the data pipeline's uint8 pixels and become the model's
+float32 input on the devices (``on_pixels``): host arrays and transfers stay a quarter of float32's
+size, and no evaluator normalises on the host.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from decay_jax import sharding as shd
+from decay_jax.data import on_device
+from decay_jax.data import pipeline
 from decay_jax.evals import knn
 
 LN_SUFFIX = "_ln"
@@ -50,6 +56,28 @@ def parse_choices(spec: str, field: str = "features") -> Tuple[str, ...]:
   return names
 
 
+def on_pixels(fn, data_cfg):
+  """``fn(params, model_input)`` as a function of the data config's images, normalised on device.
+
+  Args:
+    fn: a jittable function of ``(params, images (B, H, W, C) float32)`` (the model's input).
+    data_cfg: the data config whose ``normalize`` the images were loaded with.
+
+  Returns:
+    ``wrapped(params, images (B, H, W, C))``: uint8 pixels go through
+    ``on_device.to_model_input`` with ``pipeline.normalization(data_cfg, C)`` inside the same
+    jitted program, so they travel to the devices as uint8; floating images (latents, arrays
+    normalised by the caller) reach ``fn`` unchanged.
+  """
+  cfg = data_cfg.copy_and_resolve_references()  # later edits of the caller's config change nothing
+
+  def wrapped(params, images):
+    mean, std = pipeline.normalization(cfg, images.shape[-1])
+    return fn(params, on_device.to_model_input(images, mean, std))
+
+  return wrapped
+
+
 def extract(fn, params, images: np.ndarray, mesh, batch_size: int, post=None):
   """Applies ``fn(params, images) -> pytree of (n, ...)`` in sharded batches; numpy for all rows.
 
@@ -60,7 +88,8 @@ def extract(fn, params, images: np.ndarray, mesh, batch_size: int, post=None):
     fn: a jittable function of ``(params, images (B, H, W, C))`` returning arrays with leading B
       (or, with ``post``, anything ``post`` takes).
     params: the parameters (any sharding).
-    images: (N, H, W, C) host array.
+    images: (N, H, W, C) host array (uint8 pixels for an ``on_pixels`` function; its batches are
+      sent in this dtype).
     mesh: the device mesh; batches are split over all its devices.
     batch_size: images per call, rounded down to a multiple of the device count.
     post: optional jittable function applied on device to ``fn``'s output as a second compiled
@@ -120,7 +149,8 @@ def pool_all(tokens, choices: Sequence[str]):
 
 
 def pooled_fn(model, choices: Sequence[str], layers: Optional[Sequence[int]] = None):
-  """``fn(params, images) -> (N, L, P, D)``: the chosen blocks (all if None), every choice.
+  """``fn(params, images (N, H, W, C) float32) -> (N, L, P, D)``: the chosen blocks (all if None),
+  every choice (``on_pixels(fn, data_cfg)`` takes uint8 pixels).
 
   One forward of the unmasked encoder serves all blocks and all choices.
   """
@@ -146,10 +176,14 @@ class FeatureCache:
   that array in one forward pass, and later calls are served from memory. Arrays are identified by
   object identity and kept alive by the cache, so use one cache per set of parameters and drop it
   afterwards. Without declarations it simply memoises each request.
+
+  The image arrays are ``data_cfg``'s uint8 pixels ``(N, H, W, C)`` (``evaluators.load_split``),
+  normalised on device (``on_pixels``); floating arrays are taken as the model's input.
   """
 
-  def __init__(self, model, params, mesh, batch_size: int):
+  def __init__(self, model, params, mesh, batch_size: int, data_cfg):
     self.model, self.params, self.mesh, self.batch_size = model, params, mesh, batch_size
+    self.data_cfg = data_cfg
     self._wanted = {}  # id(images) -> (images, set of (block, choice))
     self._store = {}  # id(images) -> (images, {(block, choice): (N, D) array})
 
@@ -181,6 +215,7 @@ class FeatureCache:
         tokens = model.apply({"params": params}, imgs, method=model.features)
         return [knn.pool_tokens(tokens[l], *parse_choice(c)) for l, c in todo]
 
+      fn = on_pixels(fn, self.data_cfg)
       for pair, feats in zip(todo, extract(fn, self.params, images, self.mesh, self.batch_size)):
         store[pair] = feats
     blocks = list(dict.fromkeys(l for l, _ in pairs))

@@ -63,7 +63,7 @@ def evaluate_model(name: str, model, params, data_cfg, evals_cfg, names, mesh,
     extra[choice] = registry.EVALUATORS["layers"](cfg, model, config.data, mesh)
   # One encoder pass per image set for all evaluators (they pool different blocks and tokens).
   batch = max(int(config.evals[k].batch_size) for k in list(built) + (["layers"] if extra else []))
-  cache = features.FeatureCache(model, params, mesh, batch)
+  cache = features.FeatureCache(model, params, mesh, batch, config.data)
   for evaluator in list(built.values()) + list(extra.values()):
     if hasattr(evaluator, "requests"):
       for request in evaluator.requests():

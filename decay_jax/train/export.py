@@ -30,6 +30,7 @@ from jax.sharding import AbstractMesh
 
 from decay_jax import sharding as shd
 from decay_jax import validate
+from decay_jax.data import on_device
 from decay_jax.data import pipeline
 from decay_jax.models import factory
 from decay_jax.train import config as config_lib
@@ -107,18 +108,20 @@ def data_info(config, channels: int = 0) -> Dict[str, int]:
           "num_train": STANDIN_NUM_TRAIN, "num_classes": 1000}
 
 
-def abstract_batch(model, task_name: str, batch: int, mesh) -> Dict[str, jax.ShapeDtypeStruct]:
+def abstract_batch(model, task_name: str, batch: int, mesh,
+                   image_dtype=jnp.uint8) -> Dict[str, jax.ShapeDtypeStruct]:
   """The trainer's input batch, abstract and split over the mesh.
 
   Returns:
-    ``{'image': (B, H, W, C) float32, 'label': (B,) int32}`` with ``sharding.batch_sharding``.
+    ``{'image': (B, H, W, C) image_dtype, 'label': (B,) int32}`` with ``sharding.batch_sharding``
+    (``image_dtype``: the stream's, ``on_device.stream_dtype``: uint8 pixels, float32 latents).
   """
   s = shd.batch_sharding(mesh)
   if task_name == "sit":
     shape = (batch, model.input_size, model.input_size, model.in_channels)
   else:
     shape = (batch, model.img_size, model.img_size, model.in_chans)
-  return {"image": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s),
+  return {"image": jax.ShapeDtypeStruct(shape, image_dtype, sharding=s),
           "label": jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=s)}
 
 
@@ -156,7 +159,8 @@ def train_program(config, mesh, channels: int = 0) -> Program:
   fn = step_lib.jit_train_step(
       step_lib.make_train_step(task, tx, schedule, config.accum_steps, config.ema_decay),
       shardings, mesh)
-  batch = abstract_batch(model, config.task, config.batch_size, mesh)
+  batch = abstract_batch(model, config.task, config.batch_size, mesh,
+                         on_device.stream_dtype(config.data))
   return Program(fn, (_with_shardings(abstract, shardings), batch), mesh, "train_step")
 
 

@@ -19,6 +19,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from decay_jax import sharding as shd
+from decay_jax.data import on_device
 
 
 def abstract_state(task, tx, seed: int, ema: bool = False):
@@ -70,7 +71,11 @@ def _split_microbatches(batch, accum: int):
 
 
 def make_train_step(task, tx, schedule: Callable, accum_steps: int = 1, ema_decay: float = 0.0):
-  """``step(state, batch) -> (state, metrics)``; metrics are float32 scalars (means over the batch)."""
+  """``step(state, batch) -> (state, metrics)``; metrics are float32 scalars (means over the batch).
+
+  ``batch['image']``: uint8 pixels (normalised here with the task's ``mean``/``std``) or an
+  already floating array (latents), ``(B, H, W, C)``.
+  """
 
   def grads_of(params, batch):
     (loss, metrics), grads = jax.value_and_grad(task.loss, has_aux=True)(params, batch)
@@ -79,6 +84,9 @@ def make_train_step(task, tx, schedule: Callable, accum_steps: int = 1, ema_deca
   def step(state, batch):
     params = state["params"]
     rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+    # The input arrives as uint8 pixels (a quarter of float32's bytes over the host-to-device
+    # link, no per-pixel work on the host); the step makes them the model's float input.
+    batch = on_device.batch_to_model(batch, task.mean, task.std)
     # Every random number of the step, drawn for the whole batch: microbatch i then holds the
     # examples (and draws) it would hold in one big batch.
     batch = task.prepare(batch, rng)

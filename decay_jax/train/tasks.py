@@ -11,7 +11,9 @@ The trainer (``decay_jax.train.trainer``) is one loop; a task supplies
   * ``picture(params, batch, rng) -> uint8 (H, W, 3)``: an image grid for monitoring (MAE:
     reconstructions of ``batch``; SiT: samples, ``batch`` unused);
   * ``train_flops_per_example()``: model FLOPs of one training example (forward + backward).
-Batches are dicts: ``image (N, H, W, C)`` float32 and ``label (N,)`` int32.
+Batches are dicts: ``image (N, H, W, C)`` and ``label (N,)`` int32; the train step turns uint8
+images into the model's float input with the task's ``mean``/``std`` before ``prepare``
+(``decay_jax.data.on_device``), and ``picture`` does the same with its batch.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from decay_jax.data import mixup
+from decay_jax.data import on_device
 from decay_jax.models import flops, layers
 from decay_jax.diffusion import dpm_solver, samplers
 from decay_jax.diffusion import transport as transport_lib
@@ -110,7 +113,7 @@ class MAETask:
     (``live``: the SiT task's; MAE trains without an EMA.)"""
     del live
     m = self.model
-    imgs = batch["image"][:num]
+    imgs = on_device.to_model_input(jnp.asarray(batch["image"][:num]), self.mean, self.std)
     out = jax.jit(lambda p, x, r: m.apply({"params": p}, x, rngs={"masking": r}))(params, imgs, rng)
     pred, mask = np.asarray(out["pred"]), np.asarray(out["mask"])[..., None]
     target = np.asarray(layers.patchify(imgs, m.patch_size))
@@ -174,7 +177,7 @@ class FinetuneTask:
   def picture(self, params, batch, rng, num: int = 8, live=None) -> np.ndarray:
     """Rows: the images, then what Mixup/CutMix made of them (groups of ``num``)."""
     del params, live
-    imgs = batch["image"][:num]
+    imgs = on_device.to_model_input(jnp.asarray(batch["image"][:num]), self.mean, self.std)
     mixed, _ = self.mix(imgs, batch["label"][:num], rng, group=num)
     return grid([to_uint8(x, self.mean, self.std) for x in (np.asarray(imgs), np.asarray(mixed))])
 
