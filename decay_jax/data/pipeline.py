@@ -19,6 +19,7 @@ import ml_collections
 import numpy as np
 
 from decay_jax.data import config
+from decay_jax.data import resident
 from decay_jax.data import sources
 from decay_jax.data.augment import augment_batch
 from decay_jax.data.augment import crop_params
@@ -58,7 +59,8 @@ def dataset_info(data_cfg: ml_collections.ConfigDict) -> dict:
 
 def make_train_iterator(data_cfg: ml_collections.ConfigDict, global_batch: int, seed: int,
                         start_step: int = 0, process_index: int = 0, process_count: int = 1,
-                        state: Optional[dict] = None) -> Iterator[Dict[str, np.ndarray]]:
+                        state: Optional[dict] = None,
+                        mesh=None) -> Iterator[Dict[str, np.ndarray]]:
   """Infinite iterator of augmented training batches for this process.
 
   Args:
@@ -72,15 +74,22 @@ def make_train_iterator(data_cfg: ml_collections.ConfigDict, global_batch: int, 
       checkpoint); Grain restores its iterator from it when it describes this stream (same
       source, seed, batch layout and worker count), else the stream starts afresh at
       ``start_step``. Either way the batches are the same.
+    mesh: the device mesh; needed (and used) only with ``data_cfg.on_device``.
 
   Returns:
-    A ``loader.TrainStream``: an endless iterator of ``{'image': float32 (L, S, S, C)
-    normalised, 'label': int32 (L,)}`` with ``L = global_batch // process_count`` and
+    A ``loader.TrainStream``: an endless iterator of ``{'image': uint8 (L, S, S, C),
+    'label': int32 (L,)}`` (numpy) with ``L = global_batch // process_count`` and
     ``S = image_size``, identical from ``start_step`` on to an uninterrupted stream's; it has
-    ``get_state()`` and ``close()``.
+    ``get_state()``, ``restored``, ``next_step`` and ``close()``. With ``data_cfg.on_device``: a
+    ``resident.ResidentStream`` of the same interface whose batches are the global ones,
+    ``jax.Array``s ``(global_batch, S, S, C)`` split like ``sharding.batch_sharding(mesh)``.
   """
   config.check_fields(data_cfg)  # before the batch arguments; source_for then finds it cached
   config.check_batch(global_batch, seed, start_step, process_index, process_count)
+  if data_cfg.get("on_device", False):
+    resident.check_config(data_cfg, mesh)
+    return resident.train_stream(sources.source_for(data_cfg), global_batch, seed, start_step,
+                                 state, mesh)
   return sources.source_for(data_cfg).train_iterator(global_batch, seed, start_step,
                                                      process_index, process_count, state)
 
@@ -94,7 +103,9 @@ def load_eval_arrays(data_cfg: ml_collections.ConfigDict,
     split: the split to read; None means ``data_cfg.eval_split``.
 
   Returns:
-    ``{'image': float32 (N, S, S, C) normalised, 'label': int32 (N,)}``.
+    ``{'image': uint8 (N, S, S, C), 'label': int32 (N,)}``: pixels, not normalised (consumers
+    normalise them on the devices with ``normalization(data_cfg, C)``, see
+    ``decay_jax.data.on_device``); a latent source gives float32 latents ``(N, h, w, c)``.
   """
   source = sources.source_for(data_cfg)
   if split is None:

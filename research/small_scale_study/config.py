@@ -6,6 +6,12 @@ Hardware: 2 CPU cores, fp32.
 Expected time: 80 min to 2 h per 30-epoch arm, 4-6 h per 100-epoch arm.
 Expected result (measured, one seed; README.md here): no decayed arm beats alpha_min 1.0 by more
 than the noise; at 100 epochs last-block KNN 34.20 / 44.30 / 45.85% for alpha_min 0.6 / 0.8 / 1.0.
+
+Data: the 8,000 training images stay on the device and each batch is cropped and flipped there
+(``data.on_device``, docs/data.md): the same augmentation rule as the host path with other random
+draws; on 2 CPU cores a step took as long either way (the input is under 1% of it), and the data
+path alone took 6 ms of CPU per batch instead of 16. The results above were measured with the host
+path (``--config.data.on_device=False`` gives its exact draws back).
 """
 
 import os
@@ -27,6 +33,7 @@ def get_config():
   c.data.image_size = 32
   c.data.normalize = "imagenet"
   c.data.eval_resize = "resize"
+  c.data.on_device = True  # the npz lives on the device; crops and flips drawn in the jitted step
   c.batch_size = 128
   c.num_epochs = 30.0
   c.warmup_epochs = 2.0

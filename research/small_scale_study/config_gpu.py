@@ -6,15 +6,18 @@ Command: bash launch/gpu_study.sh OUTDIR   (NPZ=path/to/cifar10_train10k.npz; se
       --workdir=OUTDIR/study --grid=long --long_epochs=300 --only=ARM
 Hardware: one NVIDIA H200 (three training processes share it), 16 host cores.
 Expected time: about 11 minutes for the three arms on one H200 (measured rate 2026-12-04: 25-31
-  steps/s per arm, bound by the host's input pipeline), 4 with EPOCHS=100; each arm logs its
-  steps/s and ETA.
+  steps/s per arm, bound by the host's input pipeline, before the batches were built on the GPU),
+  4 with EPOCHS=100; each arm logs its steps/s and ETA.
 Expected result: not finished yet. The first run stopped at about epoch 120 with the baseline ahead
   at every logged KNN (docs/study.md, "On one GPU"), as the CPU grid's 100-epoch arms were.
 
 The recipe is the CPU study's (research/small_scale_study/config.py: MAE-tiny/4, 32 px CIFAR-10,
 8,000 training images, batch 128, lr 1e-3, 2 warm-up epochs, bfloat16 nowhere: float32 as on CPU);
 only what scales with the length changes: KNN during training every 30 epochs instead of 3,
-checkpoints and pictures every 100 epochs, and no TensorBoard files (metrics.jsonl only).
+checkpoints and pictures every 100 epochs, and no TensorBoard files (metrics.jsonl only). The
+training images live on the GPU and each batch is cropped and flipped there (``data.on_device``,
+docs/data.md): the host only picks the step's record indices, so the three processes no longer
+share 16 host cores for augmentation.
 ``get_config("cpu_check")`` is the same run shrunk to seconds (the micro model, 16 px, 0.5 epochs
 of 160 images, small probes) for ``BENCH_PLATFORM=cpu bash launch/gpu_study.sh``: a check of the
 script on any machine, whose numbers mean nothing.
@@ -34,6 +37,7 @@ def get_config(arg=None):
   c.picture_every_steps = 100 * STEPS_PER_EPOCH
   c.log_every_steps = 10 * STEPS_PER_EPOCH
   c.evals.knn.every_steps = 30 * STEPS_PER_EPOCH
+  c.data.on_device = True  # always here (the CPU grid sets it too): no host augmentation
   if arg == "cpu_check":
     _shrink(c)
   elif arg:
