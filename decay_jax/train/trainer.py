@@ -16,18 +16,24 @@ from typing import Any, Dict, Optional
 import jax
 import numpy as np
 from absl import logging
-from clu import periodic_actions
 from PIL import Image
 
 from decay_jax import logs, paths
 from decay_jax import sharding as shd
+from decay_jax.data import on_device
 from decay_jax.data import pipeline
 from decay_jax.models import factory, flops
 from decay_jax.models import vit
-from decay_jax.train import evaluation, finetune_optim, optim, pretrained, profiling, tasks, writers
+from decay_jax.train import evaluation, finetune_optim, optim, pretrained, profiling, progress
+from decay_jax.train import tasks, writers
 from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import config as config_lib
 from decay_jax.train import step as step_lib
+
+
+# Batches on the devices ahead of the step: one is enough to hide a copy behind a step; the second
+# absorbs the variation of the host's batch time (big_vision prefetches 2 as well).
+DEVICE_PREFETCH = 2
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -189,15 +195,18 @@ def train_and_evaluate(config, workdir: str,
   # ---------------------------------------------------------------------------------------------
   # Input and the compiled step.
   # ---------------------------------------------------------------------------------------------
-  batches = pipeline.make_train_iterator(config.data, config.batch_size, config.seed,
-                                         start_step=start, process_index=jax.process_index(),
-                                         process_count=jax.process_count(), state=data_state)
+  # uint8 batches, put on the devices DEVICE_PREFETCH steps ahead of the step that takes them.
+  batches = on_device.DevicePrefetch(
+      pipeline.make_train_iterator(config.data, config.batch_size, config.seed, start_step=start,
+                                   process_index=jax.process_index(),
+                                   process_count=jax.process_count(), state=data_state, mesh=mesh),
+      lambda local: shd.global_batch_from_local(local, mesh), DEVICE_PREFETCH)
   if start:
     logging.info("input stream at step %d: %s", start, "restored from the checkpoint's Grain state"
-                 if batches.restored else "started afresh there (same batches)")
+                 if batches.restored else "started at that step (the same batches)")
   train_step = jit_train_step(config, task, tx, schedule, shardings, mesh)
   t0 = time.perf_counter()
-  first = shd.global_batch_from_local(next(batches), mesh)
+  first = next(batches)
   compiled = train_step.lower(state, first).compile()
   compile_seconds = time.perf_counter() - t0
   logging.info("train step compiled in %.1f s", compile_seconds)
@@ -209,7 +218,7 @@ def train_and_evaluate(config, workdir: str,
   # ---------------------------------------------------------------------------------------------
   flops_per_step = task.train_flops_per_example() * config.batch_size
   peak = flops.peak_flops_per_device(config.get("peak_tflops_per_device", 0.0))
-  report = periodic_actions.ReportProgress(num_train_steps=total_steps, writer=writer)
+  report = progress.ReportProgress(num_train_steps=total_steps, writer=writer)
   preemption = _Preemption()
   fixed_pictures = evaluators.picture_batch()
   history, preempted = [], False
@@ -277,7 +286,7 @@ def train_and_evaluate(config, workdir: str,
         break
       if not last:
         with jax.profiler.TraceAnnotation("input"):  # the host's share, named in a profile
-          batch = shd.global_batch_from_local(next(batches), mesh)
+          batch = next(batches)
     if start >= total_steps and not evaluated:  # resumed a finished run: report its evaluations
       ev = evaluators.run(state["params"], step, True)
       writer.write_scalars(step, ev)

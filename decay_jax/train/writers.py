@@ -3,16 +3,20 @@
 ``metrics.jsonl`` holds one JSON object per write, ``{"step": int, <scalar name>: float, ...}``,
 appended across resumes, so curves (loss, KNN accuracy over training) can be read back without
 TensorBoard: ``read_scalars(workdir, key)``.
+
+Nothing here imports TensorFlow: the console and JSONL writers and the asynchronous fan-out are our
+own; clu's TensorBoard ``SummaryWriter`` (which imports TensorFlow, about 3 s and hundreds of MB) is
+imported by ``make_writer`` only when TensorBoard is on.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
 from absl import logging
-from clu import metric_writers
 
 from decay_jax import paths
 
@@ -28,8 +32,13 @@ def console_line(scalars, keys=CONSOLE_KEYS) -> str:
   return ", ".join(f"{k}={float(scalars[k]):.4g}" for k in keys if k in scalars)
 
 
-class _ScalarsOnly(metric_writers.MetricWriter):
-  """A writer of scalars only: every other kind of summary is TensorBoard's alone."""
+class Writer:
+  """clu's ``MetricWriter`` interface (the trainer calls write_scalars, write_images and flush;
+  the others are there for completeness), every method doing nothing. clu's ``SummaryWriter`` has
+  the same methods, so it joins the fan-out as it is."""
+
+  def write_scalars(self, step, scalars):
+    pass
 
   def write_summaries(self, step, values, metadata=None):
     pass
@@ -52,8 +61,97 @@ class _ScalarsOnly(metric_writers.MetricWriter):
   def write_hparams(self, hparams):
     pass
 
+  def flush(self):
+    pass
 
-class ConsoleWriter(_ScalarsOnly):
+  def close(self):
+    pass
+
+
+class WriterError(RuntimeError):
+  """A write that ran in the background failed (raised by the next write, flush or close)."""
+
+
+class AsyncMultiWriter(Writer):
+  """Every call goes to each of ``writers`` on a thread of its own (one single-thread executor per
+  writer, as clu's ``AsyncMultiWriter``): the caller does not wait for TensorBoard or the disk, a
+  slow writer does not hold back the others, and each writer sees its calls in order.
+
+  A failed background write is logged when it happens and raised as ``WriterError`` by the next
+  ``write_*``, ``flush`` or ``close``. ``flush`` waits for every pending write, then flushes each
+  writer; ``close`` flushes, closes the writers and stops the threads.
+  """
+
+  def __init__(self, writers: Sequence):
+    self._writers = tuple(writers)
+    self._pools = [concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix=f"writer_{type(w).__name__}") for w in self._writers]
+    self._pending: List[concurrent.futures.Future] = []
+
+  @staticmethod
+  def _logged(fn, *args, **kwargs):
+    try:
+      return fn(*args, **kwargs)
+    except Exception:
+      logging.exception("metric writer %s failed", getattr(fn, "__qualname__", fn))
+      raise
+
+  def _submit(self, method: str, *args, **kwargs):
+    for w, pool in zip(self._writers, self._pools):
+      self._pending.append(pool.submit(self._logged, getattr(w, method), *args, **kwargs))
+    self._raise_failed(wait=False)  # an earlier write's failure (this one is queued all the same)
+
+  def _raise_failed(self, wait: bool):
+    """Forgets the finished writes (all of them with ``wait``); raises the first that failed."""
+    if wait:
+      concurrent.futures.wait(self._pending)
+    failed = [f.exception() for f in self._pending if f.done() and f.exception() is not None]
+    self._pending = [f for f in self._pending if not f.done()]
+    if failed:
+      raise WriterError(f"writing metrics failed: {failed[0]!r}") from failed[0]
+
+  def write_scalars(self, step, scalars):
+    self._submit("write_scalars", step, scalars)
+
+  def write_summaries(self, step, values, metadata=None):
+    self._submit("write_summaries", step, values, metadata)
+
+  def write_images(self, step, images):
+    self._submit("write_images", step, images)
+
+  def write_videos(self, step, videos):
+    self._submit("write_videos", step, videos)
+
+  def write_audios(self, step, audios, *, sample_rate):
+    self._submit("write_audios", step, audios, sample_rate=sample_rate)
+
+  def write_texts(self, step, texts):
+    self._submit("write_texts", step, texts)
+
+  def write_histograms(self, step, arrays, num_buckets=None):
+    self._submit("write_histograms", step, arrays, num_buckets)
+
+  def write_hparams(self, hparams):
+    self._submit("write_hparams", hparams)
+
+  def flush(self):
+    try:
+      self._raise_failed(wait=True)
+    finally:
+      for w in self._writers:
+        w.flush()
+
+  def close(self):
+    try:
+      self.flush()
+    finally:
+      for w in self._writers:
+        w.close()
+      for pool in self._pools:
+        pool.shutdown(wait=True)
+
+
+class ConsoleWriter(Writer):
   """The console part of the writer: one short line of headline scalars per scalar write.
 
   clu's LoggingWriter logs every scalar of a write (6 digits, sorted by name: the rank pass alone
@@ -74,7 +172,7 @@ class ConsoleWriter(_ScalarsOnly):
     self.flush()
 
 
-class JsonlWriter(_ScalarsOnly):
+class JsonlWriter(Writer):
   """Appends scalars to ``workdir/metrics.jsonl``; other summaries are left to TensorBoard.
 
   On local disk the file is opened for appending, line-buffered, so a run in progress can be read
@@ -139,18 +237,19 @@ def read_scalars(workdir: str, key: str) -> List[Tuple[int, float]]:
   return sorted(by_step.items())
 
 
-def make_writer(workdir: str, is_main: bool, tensorboard: bool = True
-                ) -> metric_writers.MetricWriter:
+def make_writer(workdir: str, is_main: bool, tensorboard: bool = True) -> AsyncMultiWriter:
   """TensorBoard events (scalars and images; ``tensorboard``) and metrics.jsonl in ``workdir`` (main
   process only) plus one short console line per scalar write (no images), asynchronously.
 
   TensorBoard's writer goes through TensorFlow's own file system, whose GCS client always talks to
   storage.googleapis.com; ``tensorboard=False`` (``--config.tensorboard=false``) leaves it out, e.g.
-  for a workdir on an S3 store or a GCS emulator.
+  for a workdir on an S3 store or a GCS emulator, and TensorFlow is then never imported.
   """
   writers = [ConsoleWriter()]
   if is_main:
     writers.append(JsonlWriter(workdir))
     if tensorboard:
-      writers.append(metric_writers.SummaryWriter(workdir))
-  return metric_writers.AsyncMultiWriter(writers)
+      # Imports TensorFlow (clu.metric_writers' __init__ does, whichever submodule is asked for).
+      from clu.metric_writers import SummaryWriter  # pylint: disable=import-outside-toplevel
+      writers.append(SummaryWriter(workdir))
+  return AsyncMultiWriter(writers)
