@@ -1,6 +1,7 @@
-"""The input benchmark: decay_jax.data.bench (the synthetic folder, the arithmetic) and the command
-python -m decay_jax.cli.data_bench, which writes a JPEG folder, times the stream with and without a
-Grain worker and prints numbers whose arithmetic holds (no timing is asserted)."""
+"""The input benchmark: decay_jax.data.bench (the synthetic folder, the arithmetic, the /proc
+readings, the device consumer) and the command python -m decay_jax.cli.data_bench, which writes a
+JPEG folder, times the stream with and without Grain workers (one count, or a sweep) and prints
+numbers whose arithmetic holds (no timing is asserted)."""
 
 from concurrent import futures
 import io
@@ -10,7 +11,9 @@ import os
 import re
 import subprocess
 import sys
+import time
 
+import jax
 import numpy as np
 import pytest
 from PIL import Image
@@ -113,8 +116,22 @@ def test_bench_prints_consistent_numbers(folder, tmp_path, workers):
   assert need == 64.0
   assert per_host == pytest.approx(64.0 / per_cpu, rel=0.01)
   assert in_all == pytest.approx(2 * per_host, rel=0.01)
+  # The training process's own CPU per image and the ceiling it sets; its and each worker's RSS.
+  ms, share, ceiling = _printed(r"training process: N ms CPU per image \(N% of the CPU\), at most "
+                                r"N images/s into one training process", p.stdout)
+  assert 0 < ms and 0 < share <= 100 and ceiling == pytest.approx(1000 / ms, rel=0.01, abs=1)
+  assert ms == pytest.approx(1000 * own / 32, rel=0.02, abs=0.001)  # 2 x 2 batches of 8
+  assert "taken by jax.device_put + block_until_ready (cpu)" in p.stdout
+  (self_rss,) = _printed(r"resident memory: training process N MB", p.stdout)
+  assert self_rss > 0
+  if workers:
+    rss = _printed(r"each worker N MB \(pids N;", p.stdout)[0]
+    assert rss > 0
+  else:
+    assert "no workers" in p.stdout
   res = [json.loads(line) for line in open(out)][-1]
   assert res["batch"] == 8 and res["num_workers"] == workers
+  assert len(res["worker_rss_mb"]) == workers and all(x > 0 for x in res["worker_rss_mb"])
   assert res["batch_shape"] == [8, 32, 32, 3]
   assert len(res["windows_images_per_sec"]) == 2
   assert res["images_per_sec_median"] == pytest.approx(median, abs=0.06)
@@ -141,6 +158,92 @@ def test_bench_derives_the_step_time_from_model_flops(folder, tmp_path):
   assert "step time derived: " in p.stdout and "over 8 chips x 100 TFLOP/s x MFU 0.5" in p.stdout
 
 
+def _table(stdout):
+  """The sweep table's rows: {column: cell} (the header line starts with '| workers |')."""
+  lines = stdout.splitlines()
+  start = next(i for i, l in enumerate(lines) if l.startswith("| workers |"))
+  cells = lambda l: [c.strip() for c in l.strip().strip("|").split("|")]
+  head, rows = cells(lines[start]), []
+  for line in lines[start + 2:]:
+    if not line.startswith("|"):
+      break
+    rows.append(dict(zip(head, cells(line))))
+  return rows
+
+
+def test_sweep_gives_one_row_per_worker_count(folder, tmp_path):
+  """--workers=0,2: a fresh stream per count, one table row each, with the training process's CPU
+  per image (positive, finite), its RSS, and one RSS per worker (none for 0 workers); --json
+  writes all of it."""
+  out = str(tmp_path / "sweep.json")
+  p = _run("--config=configs/mae_cpu_mnist.py", f"--config.data.dataset=imagefolder:{folder}",
+           "--config.data.image_size=32", "--config.data.num_workers=1", "--workers=0,2",
+           "--batch_size=8", "--steps=2", "--repeats=2", "--warmup=1", "--target_step_time=0.5",
+           f"--json={out}")
+  assert p.returncode == 0, p.stderr[-3000:]
+  rows = _table(p.stdout)
+  assert [r["workers"] for r in rows] == ["0", "2"]
+  for row in rows:
+    ms = float(row["train. process ms CPU/image"])
+    assert 0 < ms < float("inf")
+    assert float(row["its ceiling images/s"]) == pytest.approx(1000 / ms, rel=0.01, abs=1)
+    assert float(row["train. process RSS MB"]) > 0
+    assert float(row["images per CPU-s"]) > 0
+  assert rows[0]["RSS MB per worker"] == "-"
+  worker_rss = [float(x) for x in rows[1]["RSS MB per worker"].split(",")]
+  assert len(worker_rss) == 2 and all(x > 0 for x in worker_rss)
+  doc = json.load(open(out))
+  assert doc["workers"] == [0, 2] and doc["batch"] == 8 and doc["host"]["cpus"] == os.cpu_count()
+  assert [r["num_workers"] for r in doc["runs"]] == [0, 2]
+  zero, two = doc["runs"]
+  assert zero["worker_rss_mb"] == [] and zero["worker_pids"] == []
+  assert len(two["worker_rss_mb"]) == 2 and all(x > 0 for x in two["worker_rss_mb"])
+  assert len(set(two["worker_pids"])) == 2 and len(two["worker_libraries"]) == 2
+  for r in doc["runs"]:
+    assert math.isfinite(r["self_cpu_ms_per_image"]) and r["self_cpu_ms_per_image"] > 0
+    assert r["self_cpu_ms_per_image"] == pytest.approx(1000 * r["timed_cpu_self_s"] / 32)
+    assert r["self_rss_mb"] > 0 and r["batch_shape"] == [8, 32, 32, 3]
+  assert two["timed_cpu_workers_s"] >= 0 and zero["timed_cpu_workers_s"] == 0
+
+
+def test_proc_readings_find_children_and_their_memory():
+  """worker_pids finds this process's children (the resource tracker aside), memory_mb reads
+  their RSS, loaded_libraries what they have mapped."""
+  child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+  try:
+    deadline = time.time() + 10
+    while child.pid not in bench.worker_pids() and time.time() < deadline:
+      time.sleep(0.05)
+    assert child.pid in bench.worker_pids() and child.pid in bench.descendants()
+    own, theirs = bench.memory_mb(), bench.memory_mb(child.pid)
+    assert own["rss"] > 0 and theirs["rss"] > 0 and theirs["anon"] <= theirs["rss"]
+    assert "jaxlib" in bench.loaded_libraries(os.getpid())  # this process imported jax
+    assert bench.loaded_libraries(child.pid) == []
+  finally:
+    child.kill()
+    child.wait()
+  assert bench.memory_mb(child.pid) is None and child.pid not in bench.worker_pids()
+
+
+def test_device_consumer_reads_every_batch():
+  """device_put copies a batch, or, where the CPU backend aliases it instead (JAX 0.10 does for a
+  64-byte aligned array), the consumer copies it into its own buffer: either way every page is
+  read."""
+  consumer = bench.DeviceConsumer()
+  raw = np.full(4 * 8 * 8 * 3 + 64, 7, np.uint8)
+  offset = (-raw.ctypes.data) % 64
+  for start in (offset, offset + 1):  # aligned, then not
+    image = raw[start:start + 4 * 8 * 8 * 3].reshape(4, 8, 8, 3)
+    aliased = consumer.aliased
+    consumer({"image": image})
+    if consumer.aliased > aliased:
+      np.testing.assert_array_equal(consumer._buffer, image)  # pylint: disable=protected-access
+  assert consumer.batches == 2 and consumer.aliased <= 2
+  assert consumer.describe().startswith(f"jax.device_put + block_until_ready "
+                                        f"({jax.devices()[0].platform})")
+  assert ("aliased the host array" in consumer.describe()) == (consumer.aliased > 0)
+
+
 @pytest.fixture(scope="module")
 def broken_folder(tmp_path_factory):
   root = tmp_path_factory.mktemp("broken")
@@ -160,6 +263,8 @@ BAD = [
       "--batch_size=3", "--steps=1", "--repeats=1"], "b.jpg' cannot be read"),
     (["--make_folder=/tmp/x", "--images=2", "--classes=3"], "--classes=3 is not allowed"),
     (["--make_folder=FOLDER"], "already has files"),
+    (["--config=configs/mae_cpu_mnist.py", "--workers=0,x"], "--workers=0,x is not allowed"),
+    (["--config=configs/mae_cpu_mnist.py", "--workers=1,-1"], "--workers=1,-1 is not allowed"),
 ]
 
 
