@@ -28,7 +28,7 @@ from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import trainer
 from test_train import restore_params, tiny_config
 from testing_configs import FailingExample, session_processes, wait_for_no_processes
-from testing_configs import run_to_end, write_digit_folder
+from testing_configs import kill_at_first_checkpoint, run_to_end, write_digit_folder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The command of the issue, made tiny: micro model, 16-px crops, 8 steps, a checkpoint every 2.
@@ -436,17 +436,7 @@ def test_sigkill_and_rerun_give_the_uninterrupted_parameters(digits, uninterrupt
   proc = subprocess.Popen(_command(workdir, digits["dir"]), cwd=REPO, env=_env(),
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                           start_new_session=True)
-  deadline = time.monotonic() + 240
-  try:
-    while time.monotonic() < deadline and proc.poll() is None:
-      if os.path.isdir(os.path.join(workdir, "checkpoints")) and ckpt_lib.checkpoint_steps(workdir):
-        break
-      time.sleep(0.05)
-  finally:
-    if proc.poll() is None:
-      os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its Grain workers, mid-step
-    proc.wait()
-  steps = ckpt_lib.checkpoint_steps(workdir)
+  steps = kill_at_first_checkpoint(proc, workdir)  # the trainer and its workers, mid-step
   assert proc.returncode == -signal.SIGKILL and steps and steps[-1] < STEPS, (proc.returncode, steps)
   assert os.path.exists(os.path.join(workdir, "checkpoints", str(steps[0]), "data",
                                      "process_0-of-1.json"))

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import chex
 import jax
@@ -24,7 +23,7 @@ import pytest
 from decay_jax import sharding as shd
 from decay_jax.data import augment, loader, pipeline, resident
 from decay_jax.train import checkpoint as ckpt_lib
-from testing_configs import run_to_end
+from testing_configs import kill_at_first_checkpoint, run_to_end
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRAWS = 20000  # examples of the distribution tests
@@ -299,17 +298,7 @@ def test_sigkill_and_rerun_give_the_uninterrupted_parameters(run_dir):
   expected, expected_step = _final_params(straight)
   killed = str(run_dir / "killed")
   proc = _start(killed, run_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  deadline = time.monotonic() + 240
-  try:
-    while time.monotonic() < deadline and proc.poll() is None:
-      if os.path.isdir(os.path.join(killed, "checkpoints")) and ckpt_lib.checkpoint_steps(killed):
-        break
-      time.sleep(0.05)
-  finally:
-    if proc.poll() is None:
-      os.killpg(proc.pid, signal.SIGKILL)  # mid-step
-    proc.wait()
-  steps = ckpt_lib.checkpoint_steps(killed)
+  steps = kill_at_first_checkpoint(proc, killed)
   assert proc.returncode == -signal.SIGKILL and steps and steps[-1] < STEPS, (proc.returncode,
                                                                              steps)
   p = _run(killed, run_dir)

@@ -4,6 +4,7 @@ import importlib.util
 import os
 import signal
 import subprocess
+import time
 
 from decay_jax.train import config as config_lib
 
@@ -117,3 +118,20 @@ def run_to_end(args, cwd: str, env: dict, timeout: float = 300):
       proc.wait()
   assert wait_for_no_processes(proc.pid) == [], "the command left processes behind"
   return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def kill_at_first_checkpoint(proc, workdir: str, limit_s: float = 240) -> list:
+  """SIGKILLs ``proc``'s session (the trainer and its workers, mid-step) once ``workdir`` holds a
+  checkpoint (or after ``limit_s``); returns the checkpoint steps found."""
+  from decay_jax.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  deadline = time.monotonic() + limit_s
+  try:
+    while time.monotonic() < deadline and proc.poll() is None:
+      if os.path.isdir(os.path.join(workdir, "checkpoints")) and ckpt_lib.checkpoint_steps(workdir):
+        break
+      time.sleep(0.05)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+  return ckpt_lib.checkpoint_steps(workdir)

@@ -15,7 +15,7 @@ The stream is the host path's rule with other random numbers:
       word: the seed as ``augment.seed_words`` maps it to 64 bits, the augmentation stream 1 of
       ``loader``, the 64-bit position), instead of numpy's ``SeedSequence([seed, 1, g])``. So
       the batches are another sample of the same distribution, not the host path's images.
-  box: ``crop_boxes``, the formulas of ``augment.crop_params`` (torchvision's RandomResizedCrop:
+  box: ``augment.crop_params`` itself, in ``jax.numpy`` (torchvision's RandomResizedCrop:
       10 attempts ``area ~ U(scale) H W``, ``log r ~ U(log ratio)``, ``w = round(sqrt(area r))``,
       ``h = round(sqrt(area / r))`` half to even, the first that fits placed at
       ``top = floor(u (H - h + 1))``, else the centre crop clamped to the ratio range), computed in
@@ -65,13 +65,6 @@ KIND = "on_device"  # get_state()['kind']: tells this stream's state from a Grai
 
 # ------------------------------------------------------------------------------------------------
 # RandomResizedCrop boxes and Pillow's bicubic, written for numpy and jax.numpy alike.
-
-
-def crop_boxes(uniforms, height: int, width: int, scale: Tuple[float, float],
-               ratio: Tuple[float, float]):
-  """``augment.crop_params`` in ``jax.numpy`` (float64 under ``jax.enable_x64``): ``(top, left,
-  h, w)``, each int64 (L,), equal to the host's boxes for equal uniforms."""
-  return augment.crop_params(uniforms, height, width, scale, ratio, xp=jnp)
 
 
 def _pil_bicubic(x: np.ndarray) -> np.ndarray:
@@ -219,12 +212,13 @@ def example_uniforms(salt, high, low):
 
 def example_boxes(uniforms, height: int, width: int, scale: Tuple[float, float],
                   ratio: Tuple[float, float]):
-  """``crop_boxes`` of float64 (L, NUM_UNIFORMS) draws as int32 (L,) ``(top, left, h, w)``.
+  """``augment.crop_params`` (in ``jax.numpy``) of float64 (L, NUM_UNIFORMS) draws as int32 (L,) ``(top, left, h, w)``.
 
   One example at a time (a batch of 1 under vmap): the gathers of the first fitting attempt then
   stay on each device's own examples (the batch-wide fancy indexing made XLA all-gather them).
   """
-  boxes = jax.vmap(lambda u: crop_boxes(u[None], height, width, scale, ratio))(uniforms)
+  boxes = jax.vmap(lambda u: augment.crop_params(u[None], height, width, scale, ratio, xp=jnp))(
+      uniforms)
   return tuple(v[:, 0].astype(jnp.int32) for v in boxes)
 
 
