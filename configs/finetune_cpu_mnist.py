@@ -2,7 +2,7 @@
 docs/finetune.md, at laptop size).
 
 Command (DEMO: the README's main command's output, by default workdir/demo):
-  python -m decay_jax.main --config=configs/finetune_cpu_mnist.py --workdir=/tmp/ft_a0.6 \
+  python -m decay_jax.cli.train --config=configs/finetune_cpu_mnist.py --workdir=/tmp/ft_a0.6 \
       --config.init_from=$DEMO/alpha_0.6
   (and --config.init_from=$DEMO/alpha_1.0 for the baseline)
 Hardware: 2 CPU cores. Expected time: about 2.2 minutes per encoder (measured 2026-12-04).

@@ -3,8 +3,8 @@ batch 1024, base lr 1e-3 (lr 4e-3), layer decay 0.75, drop path 0.3, 50 epochs (
 (0.9, 0.999), weight decay 0.05, Mixup 0.8 / CutMix 1.0 per 32 examples, label smoothing 0.1.
 
 Command (PRE: a pre-training workdir of configs/mae_vit_h14.py, or a params directory written by
-`python -m decay_jax.convert mae --checkpoint checkpoint-799.pth --out PRE`):
-  python -m decay_jax.main --config=configs/finetune_vit_h14.py --workdir=$WORKDIR \
+`python -m decay_jax.cli.convert mae --checkpoint checkpoint-799.pth --out PRE`):
+  python -m decay_jax.cli.train --config=configs/finetune_vit_h14.py --workdir=$WORKDIR \
       --config.init_from=$PRE
 Hardware: 32+ GPUs or TPU chips (bfloat16 compute); fewer with --config.accum_steps.
 Expected time: not measured by us; about 13 h on 64 V100 for upstream's run.

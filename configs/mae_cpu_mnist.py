@@ -1,7 +1,7 @@
 """MAE on the embedded MNIST subset, sized for a laptop CPU (the README's main command uses it).
 
 Command (one model; the README's main command trains alpha_min 0.6 and 1.0 and compares them):
-  python -m decay_jax.main --config=configs/mae_cpu_mnist.py --workdir=/tmp/mae_mnist
+  python -m decay_jax.cli.train --config=configs/mae_cpu_mnist.py --workdir=/tmp/mae_mnist
 Hardware: 2 CPU cores. Expected time: about 4 minutes per model (measured; see the README).
 Expected result: measured KNN top-1 on the 2,000 embedded test digits in the README's table.
 

@@ -1,7 +1,7 @@
 """MAE ViT-B/16 with decayed identity shortcuts, as in the paper: alpha_min 0.6, 800 epochs.
 
 Command (ImageNet-1k as TFDS ArrayRecord, prepared once, or an ImageFolder tree; docs/data.md):
-  python -m decay_jax.main --config=configs/mae_vit_b16.py --workdir=$WORKDIR
+  python -m decay_jax.cli.train --config=configs/mae_vit_b16.py --workdir=$WORKDIR
   (add --config.data.data_dir=$TFDS_DIR, or --config.data.dataset=imagefolder:/data/imagenet with
   train/ and val/ class folders; on a pod use launch/tpu_pod.sh, on GPUs launch/slurm.sh)
 Hardware: written for 32-128 TPU/GPU chips; any device count that divides the batch works, and

@@ -3,7 +3,7 @@
 The official run is 8 GPUs x 256 images x accum_iter 4 = 8192 per optimiser step, so
 lr = 1.5e-4 * 8192 / 256 = 4.8e-3, 800 epochs with 40 warmup epochs, norm-pix loss.
 Command:
-  python -m decay_jax.main --config=configs/mae_vit_b16_official.py --workdir=$WORKDIR
+  python -m decay_jax.cli.train --config=configs/mae_vit_b16_official.py --workdir=$WORKDIR
 Hardware: the official hardware is one node of 8 GPUs (accum_steps 4, 256 images per GPU per
   microbatch, as here). On 32+ chips set --config.accum_steps=1.
 Expected time: not measured by us (8 GPUs: several days).

@@ -3,7 +3,7 @@
 The official code crashes for ViT-H (8 unused SkipLayers); here it trains. Activation memory is
 large: the config turns on rematerialisation of the blocks and FSDP over 8 chips.
 Command:
-  python -m decay_jax.main --config=configs/mae_vit_h14.py --workdir=$WORKDIR
+  python -m decay_jax.cli.train --config=configs/mae_vit_h14.py --workdir=$WORKDIR
 Hardware: 64+ chips with >= 32 GB each (bfloat16 compute, remat 'dots', fsdp 8): XLA's estimate
   is 20.0 GiB per device at 64 images per chip (`python -m decay_jax.cli.memory
   --config=configs/mae_vit_h14.py --devices=64`; docs/performance.md, "Does it fit").

@@ -3,7 +3,7 @@
 The official code crashes for ViT-L (its 4 unused SkipLayers break DDP); here only the 8 used
 SkipLayers exist, so it trains.
 Command:
-  python -m decay_jax.main --config=configs/mae_vit_l16.py --workdir=$WORKDIR
+  python -m decay_jax.cli.train --config=configs/mae_vit_l16.py --workdir=$WORKDIR
 Hardware: 64-128 chips (bfloat16 compute). For fewer chips raise accum_steps or set
   --config.mesh.fsdp to shard parameters and optimiser state.
 Expected time: not measured by us; upstream MAE ViT-L/16 (plain residuals) took 15.4 h on 128

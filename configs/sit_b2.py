@@ -2,7 +2,7 @@
 latents (the DiT/SiT ablation size).
 
 Command:
-  python -m decay_jax.main --config=configs/sit_b2.py --workdir=$WORKDIR \
+  python -m decay_jax.cli.train --config=configs/sit_b2.py --workdir=$WORKDIR \
       --config.data.dataset=latents:$LATENTS
 Hardware: 8 GPUs or a TPU v4-8 and up (bfloat16 compute).
 Expected time: not measured by us (about a fifth of SiT-XL/2's compute per step).

@@ -6,7 +6,7 @@ downsampling factor 8 give 8x8x4 latents, patch 2 (16 tokens), ADM flips drawn f
 Command (docs/sit.md has the whole sequence):
   python -m decay_jax.cli.extract_latents --images=$IMAGES --vae=$VAE --out=/tmp/latents \
       --image_size=64
-  python -m decay_jax.main --config=configs/sit_cpu_latents.py --workdir=/tmp/sit_latents \
+  python -m decay_jax.cli.train --config=configs/sit_cpu_latents.py --workdir=/tmp/sit_latents \
       --config.data.dataset=latents:/tmp/latents
   python -m decay_jax.cli.sample --workdir=/tmp/sit_latents --num=64 --vae=$VAE
 Hardware: 2 CPU cores. Expected time: a few seconds per 10 steps on 2 free cores (the test runs

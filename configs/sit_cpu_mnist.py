@@ -1,7 +1,7 @@
 """SiT on the embedded MNIST digits in pixel space (28x28x1), sized for a laptop CPU.
 
 Command:
-  python -m decay_jax.main --config=configs/sit_cpu_mnist.py --workdir=/tmp/sit_mnist
+  python -m decay_jax.cli.train --config=configs/sit_cpu_mnist.py --workdir=/tmp/sit_mnist
   python -m decay_jax.cli.sample --workdir=/tmp/sit_mnist --num=64
 Hardware: 2 CPU cores. Expected time: about 85 min (1.6 steps/s on idle cores), sampling 14 s.
 Expected result (measured, docs/sit.md): final loss 0.176; about 60 of 64 samples are

@@ -2,9 +2,9 @@
 one row of configs/sit_s2_routing.py per config string (default: mirror).
 
 Command (the short runs of docs/routing.md, mirror routing and mirror routing + decay):
-  python -m decay_jax.main --config=configs/sit_cpu_mnist_routing.py:mirror \
+  python -m decay_jax.cli.train --config=configs/sit_cpu_mnist_routing.py:mirror \
       --workdir=/tmp/sit_mnist_mirror --config.num_train_steps=300
-  python -m decay_jax.main --config=configs/sit_cpu_mnist_routing.py:mirror_decay \
+  python -m decay_jax.cli.train --config=configs/sit_cpu_mnist_routing.py:mirror_decay \
       --workdir=/tmp/sit_mnist_mirror_decay --config.num_train_steps=300
 Hardware: 2 CPU cores.
 Expected time and result: measured, see docs/routing.md: about 1 step/s; the last

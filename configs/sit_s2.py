@@ -2,7 +2,7 @@
 latents (the smallest SiT; the mirror-routing ablations use this size).
 
 Command:
-  python -m decay_jax.main --config=configs/sit_s2.py --workdir=$WORKDIR \
+  python -m decay_jax.cli.train --config=configs/sit_s2.py --workdir=$WORKDIR \
       --config.data.dataset=latents:$LATENTS
 Hardware: one to eight GPUs (bfloat16 compute).
 Expected time: not measured by us.

@@ -2,7 +2,7 @@
 config string: batch 256, 400K steps, ImageNet 256 latents, AdamW 1e-4, EMA 0.9999 (configs/sit_s2.py).
 
 Command (ROW is one of the rows below; without ':ROW' the row is fused_mirror):
-  python -m decay_jax.main --config=configs/sit_s2_routing.py:ROW --workdir=$WORKDIR/ROW \
+  python -m decay_jax.cli.train --config=configs/sit_s2_routing.py:ROW --workdir=$WORKDIR/ROW \
       --config.data.dataset=latents:$LATENTS
   python -m decay_jax.cli.sample --workdir=$WORKDIR/ROW --num=50000 --mode=ode --cfg=1.0
 Hardware: one to eight GPUs (bfloat16 compute), like configs/sit_s2.py.

@@ -2,7 +2,7 @@
 ImageNet 256x256 as sd-vae-ft-ema latents (32x32x4, scaled by 0.18215).
 
 Command (latents extracted once into $LATENTS, format in decay_jax/data/latents.py):
-  python -m decay_jax.main --config=configs/sit_xl2.py --workdir=$WORKDIR \
+  python -m decay_jax.cli.train --config=configs/sit_xl2.py --workdir=$WORKDIR \
       --config.data.dataset=latents:$LATENTS
 Hardware: the official run is 4 GPUs (64 images each); any device count dividing 256 works.
   bfloat16 compute here (the official code uses fp16 autocast).

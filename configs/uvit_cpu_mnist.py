@@ -3,7 +3,7 @@ pixel space (28x28x1), decayed shortcuts at alpha_min 0.7; the baseline arm is
 --config.model.alpha_min=1.0.
 
 Command:
-  python -m decay_jax.main --config=configs/uvit_cpu_mnist.py --workdir=/tmp/uvit_a0.7
+  python -m decay_jax.cli.train --config=configs/uvit_cpu_mnist.py --workdir=/tmp/uvit_a0.7
   python -m decay_jax.cli.sample --workdir=/tmp/uvit_a0.7 --num=64
 Hardware: 2 CPU cores. Expected time: about 66 minutes per arm with both arms running at once
   (measured 2026-12-04, about 98 images/s per arm), sampling 64 images 14 s.

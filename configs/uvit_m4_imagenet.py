@@ -5,7 +5,7 @@ rows (docs/uvit.md). The argument picks the row:
   "in100_uncond":   ImageNet-100 unconditional, alpha_min 0.8.
 
 Command:
-  python -m decay_jax.main --config=configs/uvit_m4_imagenet.py:in1k --workdir=$WORKDIR \
+  python -m decay_jax.cli.train --config=configs/uvit_m4_imagenet.py:in1k --workdir=$WORKDIR \
       --config.data.data_dir=$TFDS_DIR      # ImageNet-100: an image folder of your 100 classes,
       # --config=configs/uvit_m4_imagenet.py:in100_cond --config.data.dataset=imagefolder:$DIR
   (and --config.model.alpha_min=1.0 for the baseline of each row)

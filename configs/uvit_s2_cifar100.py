@@ -1,7 +1,7 @@
 """U-ViT-S/2 on CIFAR-100, unconditional: the paper's CIFAR-100 row (docs/uvit.md), alpha_min 0.7.
 
 Command:
-  python -m decay_jax.main --config=configs/uvit_s2_cifar100.py --workdir=$WORKDIR \
+  python -m decay_jax.cli.train --config=configs/uvit_s2_cifar100.py --workdir=$WORKDIR \
       --config.data.data_dir=$TFDS_DIR    # and --config.model.alpha_min=1.0 for the baseline
   python -m decay_jax.cli.sample --workdir=$WORKDIR --num=50000   # then decay_jax.cli.fid
 Hardware: one to eight GPUs (bfloat16 compute). Expected time: not measured by us; about 3.3 h

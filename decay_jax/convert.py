@@ -1,6 +1,6 @@
-"""``python -m decay_jax.convert``: the converter's short name (``decay_jax.io.convert``)."""
+"""``python -m decay_jax.convert``: the converter's short name (``decay_jax.cli.convert``)."""
 
-from decay_jax.io.convert import run
+from decay_jax.cli.convert import run
 
 if __name__ == "__main__":
   run()

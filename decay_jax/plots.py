@@ -1,10 +1,13 @@
-"""Figure helpers shared by reports and studies: headless matplotlib, one way to label and save."""
+"""Figure helpers shared by reports and studies: headless matplotlib, one way to label and save;
+image grids of uint8 pictures (training pictures, samples)."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 from typing import Optional, Tuple
+
+import numpy as np
 
 from decay_jax import paths
 
@@ -41,3 +44,73 @@ def style(ax, title: Optional[str] = None, xlabel: Optional[str] = None,
   ax.grid(alpha=0.3, which=which)
   if legend:
     ax.legend(fontsize=legend)
+
+
+def to_uint8(images, mean, std) -> np.ndarray:
+  """Normalised ``(N, H, W, C)`` -> uint8 RGB for pictures (grey images get 3 channels)."""
+  x = np.asarray(images, np.float32) * np.asarray(std) + np.asarray(mean)
+  x = np.clip(np.round(x * 255.0), 0, 255).astype(np.uint8)
+  return np.repeat(x, 3, axis=-1) if x.shape[-1] == 1 else x
+
+
+def image_grid(rows, pad: int = 2) -> np.ndarray:
+  """Rows of equally sized uint8 images ``[(N, H, W, 3), ...]`` -> one ``(R*(H+pad), N*(W+pad), 3)``
+  on white."""
+  r, (n, h, w, c) = len(rows), rows[0].shape
+  out = np.full((r * (h + pad) + pad, n * (w + pad) + pad, c), 255, np.uint8)
+  for i, row in enumerate(rows):
+    for j, im in enumerate(row):
+      out[pad + i * (h + pad):pad + i * (h + pad) + h, pad + j * (w + pad):pad + j * (w + pad) + w] = im
+  return out
+
+
+def weight_heatmap(panels, title: str = "") -> np.ndarray:
+  """uint8 RGB picture of weights over candidates (the routing weights of
+  ``models.routing.routing_weights``): one panel per ``(panel title, [(row label, candidate
+  labels, weights)])``; rows are sublayers, columns the candidates any row uses ("x", "x0", "x1",
+  ..., "null"), blank where not a candidate."""
+  import matplotlib
+  matplotlib.use("Agg")  # no display on servers and in CI
+  import matplotlib.pyplot as plt
+  from PIL import Image
+
+  rows = panels[0][1]
+  cols = []
+  for _, c, _ in rows:
+    cols += [k for k in c if k not in cols]
+  order = {"x": -2, "null": 10 ** 6}
+  cols.sort(key=lambda k: order.get(k, int(k[1:]) if k[1:].isdigit() else 0))
+  fig, axes = plt.subplots(1, len(panels), figsize=(1.2 + 0.42 * len(cols) * len(panels),
+                                                    1.4 + 0.26 * len(rows)), squeeze=False)
+  for p, (ax, (ptitle, weights)) in enumerate(zip(axes[0], panels)):
+    mat = np.full((len(rows), len(cols)), np.nan)
+    for r, (_, c, w) in enumerate(weights):
+      for k, v in zip(c, w):
+        mat[r, cols.index(k)] = v
+    im = ax.imshow(mat, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(len(cols)), cols, fontsize=7, rotation=90 if len(cols) > 12 else 0)
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows] if p == 0 else [], fontsize=7)
+    ax.set_title(ptitle, fontsize=8)
+    if len(cols) <= 16:
+      for (r, k), v in np.ndenumerate(mat):
+        if np.isfinite(v):
+          ax.text(k, r, f"{v:.2f}", ha="center", va="center", fontsize=5,
+                  color="white" if v < 0.6 else "black")
+  fig.colorbar(im, ax=axes[0].tolist(), fraction=0.03)
+  if title:
+    fig.suptitle(title, fontsize=9)
+  buf = io.BytesIO()
+  fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+  plt.close(fig)
+  return np.asarray(Image.open(buf).convert("RGB"))
+
+
+def side_by_side(left: np.ndarray, right: np.ndarray, pad: int = 8) -> np.ndarray:
+  """Two uint8 pictures in one, the left one enlarged (nearest) towards the right one's height."""
+  scale = max(1, right.shape[0] // left.shape[0])
+  left = np.repeat(np.repeat(left, scale, axis=0), scale, axis=1)
+  h = max(left.shape[0], right.shape[0])
+  canvas = np.full((h, left.shape[1] + pad + right.shape[1], 3), 255, np.uint8)
+  canvas[:left.shape[0], :left.shape[1]] = left
+  canvas[:right.shape[0], left.shape[1] + pad:] = right
+  return canvas

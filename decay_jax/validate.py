@@ -1,7 +1,9 @@
 """The one validation module: one-line ``ValueError``s that name the field and what is allowed.
 
 Every config field, model field and command-line value is checked with these before anything is
-read, compiled or written; the message format is ``FIELD=VALUE is not allowed; WHAT IS``.
+read, compiled or written; the message format is ``FIELD=VALUE is not allowed; WHAT IS``. An input
+that passes these checks and still cannot be used (a file, a record) raises ``InputError``, the
+package's one class for it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,13 @@ import sys
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
+
+
+class InputError(ValueError):
+  """An input that cannot be used, as one line naming it: a command-line argument
+  (``ARG VALUE: what is wrong; expected WHAT``: a missing, foreign or corrupt file), or the input
+  pipeline's reading or preparing (an unreadable record, a worker that died: the dataset and,
+  where one is to blame, the file)."""
 
 
 def not_allowed(field: str, value, allowed: str) -> ValueError:

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 [ $# -ge 2 ] || { echo "usage: $0 CONFIG WORKDIR [--config.field=value ...]" >&2; exit 2; }
 CONFIG=$1; WORKDIR=$2; shift 2
 [ -f "$CONFIG" ] || { echo "error: config file $CONFIG not found" >&2; exit 2; }
-CMD=(.venv/bin/python -m decay_jax.main --config="$CONFIG" --workdir="$WORKDIR" "$@")
+CMD=(.venv/bin/python -m decay_jax.cli.train --config="$CONFIG" --workdir="$WORKDIR" "$@")
 if [ "${DRY_RUN:-0}" = 1 ]; then printf '%q ' "${CMD[@]}"; echo; exit 0; fi
 source launch/venv.sh requirements.txt
 JAX_VERSION=$(sed -n 's/^jax==//p' requirements.txt)

@@ -22,6 +22,6 @@ cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 CONFIG=$1; WORKDIR=$2; shift 2
 [ "${JAX_PLATFORMS:-}" != cpu ] || source launch/cpu_env.sh
 CMD=(srun --kill-on-bad-exit=1 bash -c
-     'CUDA_VISIBLE_DEVICES=$SLURM_LOCALID DECAY_JAX_DISTRIBUTED=1 exec .venv/bin/python -m decay_jax.main "$@"'
+     'CUDA_VISIBLE_DEVICES=$SLURM_LOCALID DECAY_JAX_DISTRIBUTED=1 exec .venv/bin/python -m decay_jax.cli.train "$@"'
      _ --config="$CONFIG" --workdir="$WORKDIR" "$@")
 if [ "${DRY_RUN:-0}" = 1 ]; then printf '%q ' "${CMD[@]}"; echo; else exec "${CMD[@]}"; fi

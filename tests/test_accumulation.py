@@ -16,7 +16,7 @@ import pytest
 from decay_jax.data import pipeline
 from decay_jax.models import factory
 from decay_jax.train import step as step_lib
-from decay_jax.train import trainer
+from decay_jax.train import setup
 from testing_configs import load_config, override
 
 BATCH, ACCUM = 32, 4
@@ -38,7 +38,7 @@ def _setup(name):
       {"data.image_size": 16, "batch_size": BATCH, "model.alpha_min": 0.6}, **overrides))
   info = dict(pipeline.dataset_info(config.data), image_size=16)
   model = factory.build_model(config, info)
-  task = trainer.make_task(config, model, info)
+  task = setup.make_task(config, model, info)
   images = jax.random.normal(jax.random.key(7), (BATCH, 16, 16, info["channels"]))
   batch = {"image": images, "label": jnp.arange(BATCH, dtype=jnp.int32) % 10}
   return config, task, batch
@@ -74,7 +74,7 @@ def test_four_microbatches_equal_one_batch(name):
   # The task's own optimiser step from either gradient. AdamW's first update is about
   # lr g / (|g| + eps): entries with |g| near eps = 1e-8 turn float32 reordering into percent-size
   # differences, so the step is compared where |g| > 1e-6 (1e-5 of lr), entry by entry.
-  tx, _ = trainer.make_optimizer(config, task, total_steps=10, warmup_steps=0)
+  tx, _ = task.make_optimizer(config, total_steps=10, warmup_steps=0)
   def update(g):  # at step 1: U-ViT's warmup makes the step-0 learning rate 0
     zeros = jax.tree_util.tree_map(jnp.zeros_like, g)
     return tx.update(g, tx.update(zeros, tx.init(before), before)[1], before)[0]

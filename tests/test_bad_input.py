@@ -20,6 +20,7 @@ import pytest
 from decay_jax.evals import registry
 from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import trainer
+from decay_jax.train import setup
 from test_train import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,7 +49,7 @@ def inputs(tmp_path_factory):
   run = str(root / "run")
   c = tiny_config(num_train_steps=3, tensorboard=False)
   trainer.train_and_evaluate(c, run, evaluators=registry.build)
-  _, model, mesh = trainer.check_config(c)
+  _, model, mesh = setup.check_config(c)
   params, _ = ckpt_lib.restore_run_params(run, mesh)
   ckpt_lib.save_params(str(root / "params"), jax.device_get(params), model)
   out = {"root": str(root), "run": run, "params": str(root / "params")}
@@ -76,22 +77,22 @@ def inputs(tmp_path_factory):
 
 # (entry point, argv with {placeholders} from the fixture, a phrase the line must contain)
 CASES = {
-    "train/missing_config": ("decay_jax.main", ["--config=configs/nope.py", "--workdir={root}/w"],
+    "train/missing_config": ("decay_jax.cli.train", ["--config=configs/nope.py", "--workdir={root}/w"],
                              "--config=configs/nope.py: no such config file"),
-    "train/broken_config": ("decay_jax.main", ["--config={broken_config}", "--workdir={root}/w"],
+    "train/broken_config": ("decay_jax.cli.train", ["--config={broken_config}", "--workdir={root}/w"],
                             "the config file cannot be loaded (SyntaxError"),
-    "train/misspelt_override": ("decay_jax.main",
+    "train/misspelt_override": ("decay_jax.cli.train",
                                 [f"--config={DEMO}", "--workdir={root}/w", "--config.model.alpha_mn=0.5"],
                                 "--config.model.alpha_mn=0.5: the config has no field 'alpha_mn'; "
                                 "did you mean 'alpha_min'?"),
-    "train/misspelt_section": ("decay_jax.main",
+    "train/misspelt_section": ("decay_jax.cli.train",
                                [f"--config={DEMO}", "--workdir={root}/w", "--config.optimm.lr=1"],
                                "--config.optimm.lr=1: the config has no field 'optimm'"),
-    "train/bad_value": ("decay_jax.main",
+    "train/bad_value": ("decay_jax.cli.train",
                         [f"--config={DEMO}", "--workdir={root}/w", "--config.model.alpha_min=abc"],
                         "--config.model.alpha_min=abc: could not convert string to float"),
-    "train/no_workdir": ("decay_jax.main", [f"--config={DEMO}"], "--workdir must have a value"),
-    "train/cudnn_float32": ("decay_jax.main", [f"--config={DEMO}", "--workdir={root}/w",
+    "train/no_workdir": ("decay_jax.cli.train", [f"--config={DEMO}"], "--workdir must have a value"),
+    "train/cudnn_float32": ("decay_jax.cli.train", [f"--config={DEMO}", "--workdir={root}/w",
                                                "--config.model.attention_impl=cudnn"],
                             "model.attention_impl='cudnn' is not allowed with dtype=float32"),
     "bench/torch_finetune": ("decay_jax.cli.bench", ["--config=configs/finetune_cpu_mnist.py",
@@ -100,9 +101,10 @@ CASES = {
     "bench/cudnn_float32": ("decay_jax.cli.bench", [f"--config={DEMO}", "--dtype=float32",
                                                     "--config.model.attention_impl=cudnn"],
                             "model.attention_impl='cudnn' is not allowed with dtype=float32"),
-    "train/corrupt_checkpoint": ("decay_jax.main",
+    "train/corrupt_checkpoint": ("decay_jax.cli.train",
                                  [f"--config={DEMO}", "--workdir={bad_arrays}", *TINY],
-                                 "workdir='{bad_arrays}' cannot be read"),
+                                 "workdir='{bad_arrays}' cannot be resumed: no intact checkpoint "
+                                 "(checkpoints/3: it cannot be read: "),
     "evaluate/missing_workdir": ("decay_jax.cli.evaluate", ["--workdir={root}/nowhere"],
                                  "workdir='{root}/nowhere' is not allowed; it has no config.json"),
     "evaluate/corrupt_checkpoint": ("decay_jax.cli.evaluate", ["--workdir={bad_arrays}"],
@@ -137,7 +139,7 @@ CASES = {
     "compare/misspelt_override": ("decay_jax.cli.compare",
                                   [f"--config={DEMO}", "--workdir={root}/c", "--config.batchsize=8"],
                                   "--config.batchsize=8: the config has no field 'batchsize'"),
-    "train/bad_profile_steps": ("decay_jax.main", [f"--config={DEMO}", "--workdir={root}/w",
+    "train/bad_profile_steps": ("decay_jax.cli.train", [f"--config={DEMO}", "--workdir={root}/w",
                                                    "--config.profile_steps=3"],
                                 "profile_steps='3' is not allowed; it must be 'START,COUNT'"),
     "bench/from_trainer_not_a_run": ("decay_jax.cli.bench", ["--from_trainer={root}/nowhere"],
@@ -175,7 +177,7 @@ CASES = {
     "extract_latents/corrupt_vae": ("decay_jax.cli.extract_latents",
                                     ["--images={root}", "--vae={bad_params}", "--out={root}/lat"],
                                     "vae='{bad_params}' cannot be read"),
-    "schedules/bad_flag": ("decay_jax.models.schedules", ["--depth=x"], "invalid int value"),
+    "schedules/bad_flag": ("decay_jax.cli.schedules", ["--depth=x"], "invalid int value"),
 }
 
 

@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decay_jax.train import config as config_lib
-from decay_jax.train import optim, trainer
+from decay_jax.train import setup
 from decay_jax.train import step as step_lib
 from testing_configs import load_config, override
 
@@ -22,11 +21,9 @@ def one_step(name, dtype):
   c = load_config(name)
   override(c, **{"model.preset": "micro/4", "model.dtype": dtype, "data.image_size": 16,
                  "batch_size": 8, "mesh.data": 1, "warmup_epochs": 0.0})
-  info, model, mesh = trainer.check_config(c)
-  task = trainer.make_task(c, model, info)
-  total, warm = config_lib.steps_for(c, info["num_train"])
-  tx, schedule = optim.make_optimizer(c.optim, c.batch_size, total, warm)
-  state, _ = step_lib.create_state(task, tx, c.seed, mesh)
+  s = setup.build(c)
+  info, task, tx, schedule = s.info, s.task, s.tx, s.schedule
+  state = s.init_state()
   rng = np.random.default_rng(0)
   batch = {"image": rng.standard_normal((8, 16, 16, info["channels"])).astype(np.float32),
            "label": rng.integers(0, 10, 8).astype(np.int32)}

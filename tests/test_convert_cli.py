@@ -3,7 +3,7 @@ params directory) -> official .pth files that the PyTorch reference loads strict
 the same outputs, the upstream-MAE encoder initialisation, and the converters' answer to bad input
 (one line naming the argument, exit status 2, no traceback, a pickle holding code never run).
 
-Most cases call ``main(argv)`` in this process (fast); two start ``python -m decay_jax.convert``
+Most cases call ``main(argv)`` in this process (fast); two start ``python -m decay_jax.cli.convert``
 as a user would. The converted models are the 'micro' ones: one small compilation per model.
 """
 
@@ -25,11 +25,13 @@ from etils.epath import gpath
 from flax import traverse_util
 
 import torch_reference as ref
-from decay_jax import paths
-from decay_jax.io import convert
-from decay_jax.io import convert_external as ce
+from decay_jax import paths, validate
+from decay_jax.cli import convert
+from decay_jax.cli import convert_external as ce_cli
+from decay_jax.io import official, rules, torch_files
 from decay_jax.models import mae as mae_lib
 from decay_jax.models import sit as sit_lib
+from decay_jax.models.residual import Residual
 from decay_jax.train import checkpoint
 from parity import nhwc
 from test_object_store import BUCKET, gcs  # noqa: F401  (the emulator fixture)
@@ -52,7 +54,7 @@ class _Evil:
     return (os.system, (f"echo pwned > {MARKER}",))
 
 
-def cli(*args, module="decay_jax.convert"):
+def cli(*args, module="decay_jax.cli.convert"):
   return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO,
                         env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
                         timeout=180)
@@ -62,14 +64,14 @@ def random_params(model, init_args, seed):
   """Non-zero weights for every leaf (the official inits zero whole layers, which would make a
   comparison of outputs vacuous): normal x 0.1, LayerNorm scales around 1."""
   rng = np.random.default_rng(seed)
-  flat = convert.abstract_params(model, *init_args)
+  flat = rules.abstract_params(model, *init_args)
   out = {p: rng.standard_normal(s.shape).astype(np.float32) * 0.1 + (p[-1] == "scale")
          for p, s in flat.items()}
   return traverse_util.unflatten_dict(out)
 
 
 def write_run(workdir, config, states):
-  """A training workdir as decay_jax.main leaves it: config.json and orbax checkpoints."""
+  """A training workdir as decay_jax.cli.train leaves it: config.json and orbax checkpoints."""
   paths.write_text(paths.join(workdir, "config.json"), config.to_json_best_effort(indent=1))
   ckpts = checkpoint.RunCheckpoints(workdir, async_save=False)
   for step, state in states.items():
@@ -88,9 +90,9 @@ def mae_run(tmp_path_factory):
   config = override(load_config("mae_cpu_mnist"), **{"model.preset": "micro/4",
                                                       "data.image_size": 16,
                                                       "model.alpha_min": 0.7})
-  model = mae_lib.mae("micro/4", img_size=16, in_chans=1, alpha_min=0.7,
+  model = mae_lib.mae("micro/4", img_size=16, in_chans=1, residual=Residual(alpha_min=0.7),
                       norm_pix_loss=config.model.norm_pix_loss)
-  init = convert._mae_init_args(model)
+  init = official.mae_init_args(model)
   params = {2: random_params(model, init, 1), 5: random_params(model, init, 2)}
   write_run(str(root / "run"), config, {s: {"params": p} for s, p in params.items()})
   return dict(workdir=str(root / "run"), model=model, params=params, root=root)
@@ -102,8 +104,9 @@ def sit_run(tmp_path_factory):
   config = override(load_config("sit_cpu_mnist"), **{"model.preset": "micro/2",
                                                       "data.image_size": 8,
                                                       "model.alpha_min": 0.8})
-  model = sit_lib.sit("micro/2", input_size=8, in_channels=4, num_classes=10, alpha_min=0.8)
-  init = convert._sit_init_args(model)
+  model = sit_lib.sit("micro/2", input_size=8, in_channels=4, num_classes=10,
+                      residual=Residual(alpha_min=0.8))
+  init = official.sit_init_args(model)
   params, ema = random_params(model, init, 3), random_params(model, init, 4)
   write_run(str(root / "run"), config, {4: {"params": params, "ema": ema}})
   return dict(workdir=str(root / "run"), model=model, params=params, ema=ema, root=root)
@@ -215,7 +218,7 @@ def test_sit_params_dir_to_torch(sit_run, sit_params_dir, tmp_path, capsys):
 
 
 def test_console_module_end_to_end(mae_run, tmp_path):
-  """``python -m decay_jax.convert to-torch`` as a user runs it (the console script's run())."""
+  """``python -m decay_jax.cli.convert to-torch`` as a user runs it (the console script's run())."""
   out = tmp_path / "sub" / "checkpoint-5.pth"  # the parent is created
   p = cli("to-torch", "--params", mae_run["workdir"], "--out", str(out))
   assert p.returncode == 0, p.stderr
@@ -241,10 +244,10 @@ def test_gcs_paths_both_ways(gcs, mae_run, bad, request):
   chex.assert_trees_all_equal(jax.device_get(back), mae_run["params"][5])
   evil = f"gs://{BUCKET}/convert/evil.pth"
   paths.write_bytes(evil, open(bad["evil_pth"], "rb").read())
-  with pytest.raises(convert.InputError, match=re.escape(f"--checkpoint {evil}: {NOT_LOADED}")):
-    convert.read_torch_file(evil)
-  with pytest.raises(convert.InputError, match="no such file"):
-    convert.read_torch_file(f"gs://{BUCKET}/convert/nope.pth")
+  with pytest.raises(validate.InputError, match=re.escape(f"--checkpoint {evil}: {NOT_LOADED}")):
+    torch_files.read_torch_file(evil)
+  with pytest.raises(validate.InputError, match="no such file"):
+    torch_files.read_torch_file(f"gs://{BUCKET}/convert/nope.pth")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -263,7 +266,7 @@ def test_mae_checkpoint_file_round_trip(tmp_path, capsys):
   model, params = checkpoint.load_params(str(tmp_path / "flax"))
   assert isinstance(model, mae_lib.MaskedAutoencoder) and model.alpha_min == 0.7
   assert (model.dim, model.depth, model.decoder_depth, model.img_size) == (32, 4, 2, 16)
-  back = convert.mae_to_torch(params, model)
+  back = official.mae_to_torch(params, model)
   for k, v in t.state_dict().items():
     if "pos_embed" not in k:
       np.testing.assert_array_equal(back[k], v.numpy(), err_msg=k)
@@ -290,9 +293,9 @@ def test_upstream_encoder_initialisation():
   sd["norm.weight"], sd["norm.bias"] = torch.ones(32), torch.zeros(32)
   model = mae_lib.MaskedAutoencoder(img_size=16, patch_size=4, dim=32, depth=4, num_heads=2,
                                     decoder_dim=16, decoder_depth=2, decoder_num_heads=2,
-                                    alpha_min=0.6)
+                                    residual=Residual(alpha_min=0.6))
   init = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 16, 16, 3)), jnp.zeros((1, 16)))
-  params, report = convert.mae_from_upstream_encoder(sd, model, init["params"])
+  params, report = official.mae_from_upstream_encoder(sd, model, init["params"])
   assert set(report.ignored) == {"norm.weight", "norm.bias", "pos_embed"}
   assert len(report.loaded) == len(sd) - 3
   assert "decoder_pred/kernel" in report.left_at_init and "skip_0/mask_token" in report.left_at_init
@@ -300,9 +303,9 @@ def test_upstream_encoder_initialisation():
   np.testing.assert_array_equal(np.asarray(params["blocks"]["attn"]["qkv"]["kernel"][2]).T,
                                 sd["blocks.2.attn.qkv.weight"].numpy())
   chex.assert_trees_all_equal(params["decoder_blocks_0"], init["params"]["decoder_blocks_0"])
-  with pytest.raises(convert.ConversionError, match="unknown key.*head.weight"):
-    convert.mae_from_upstream_encoder(dict(sd, **{"head.weight": torch.zeros(3, 3)}), model,
-                                      init["params"])
+  with pytest.raises(rules.ConversionError, match="unknown key.*head.weight"):
+    official.mae_from_upstream_encoder(dict(sd, **{"head.weight": torch.zeros(3, 3)}), model,
+                                       init["params"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -369,13 +372,13 @@ def bad(tmp_path_factory, mae_run, sit_params_dir):
   routed = sit_lib.sit("micro/2", input_size=8, in_channels=4, num_classes=10,
                        residual_routing="mirror")
   zeros = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), traverse_util.unflatten_dict(
-      convert.abstract_params(routed, *convert._sit_init_args(routed))))
+      rules.abstract_params(routed, *official.sit_init_args(routed))))
   checkpoint.save_params(str(root / "routed"), zeros, routed)
   out["routed"] = str(root / "routed")
   return out
 
 
-C, E = "decay_jax.io.convert", "decay_jax.io.convert_external"
+C, E = "decay_jax.cli.convert", "decay_jax.cli.convert_external"
 NOT_LOADED = "contains code or objects other than tensors (posix.system); it was not loaded"
 # name: (entry point, argv with {placeholders} of `bad`, the argument and value the line names,
 # a phrase of the line). The line is `error: ARG VALUE: problem; expected WHAT`.
@@ -510,7 +513,7 @@ def test_bad_input_is_one_line(bad, case, capfd, monkeypatch):
   if "--out" not in argv:
     argv += ["--out", os.path.join(bad["root"], "out", case.replace("/", "_"))]
   monkeypatch.chdir(bad["root"])  # where `echo pwned > MARKER` would write
-  main = convert.main if module == C else ce.main
+  main = convert.main if module == C else ce_cli.main
   assert main(argv) == 2, case
   captured = capfd.readouterr()
   assert captured.out == "", (case, captured.out)  # nothing reported as done

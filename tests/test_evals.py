@@ -12,6 +12,7 @@ import pytest
 from decay_jax.models import layers
 from decay_jax.evals import branches, features, knn, layerwise, linear_probe as lp, rank
 from decay_jax.models import mae
+from decay_jax.models.residual import Residual
 
 ONE_DEVICE = jax.devices()[:1]
 
@@ -229,7 +230,7 @@ def test_layer_curves_find_the_separable_block():
 def micro(alpha_min=0.6, perturb=True):
   """The micro MAE, 6 random images, and its params (perturbed: zero-initialised branch outputs
   would make every branch exactly 0)."""
-  model = mae.mae("micro/4", alpha_min=alpha_min)
+  model = mae.mae("micro/4", residual=Residual(alpha_min=alpha_min))
   images = jax.random.normal(jax.random.key(0), (6, 16, 16, 3))
   params = jax.jit(model.init)(jax.random.key(1), images, jnp.zeros((6, 16)))["params"]
   if perturb:  # host noise: a jitted random draw per leaf compiles for seconds

@@ -94,7 +94,7 @@ def test_report_on_run_and_converted_checkpoint(trained):
   assert step == 4
   model = suite.run_model(ckpt_lib.run_config(workdir, task="mae"), params)
   converted = str(root / "converted")
-  ckpt_lib.save_params(converted, params, model)  # what `python -m decay_jax.io.convert` writes
+  ckpt_lib.save_params(converted, params, model)  # what `python -m decay_jax.cli.convert` writes
   out = str(root / "report")
   ft_path = root / "tiny_finetune.py"
   ft_path.write_text(FINETUNE_CONFIG.format(

@@ -2,7 +2,7 @@
 pipeline on a small image folder: extract -> train the CPU latent SiT -> sample + VAE decode -> FID.
 
 The VAE and the Inception carry random weights here (no downloads); real use converts
-sd-vae-ft-ema and pytorch-fid's Inception weights with ``decay_jax.io.convert_external``.
+sd-vae-ft-ema and pytorch-fid's Inception weights with ``decay_jax.cli.convert_external``.
 """
 
 import json
@@ -19,7 +19,7 @@ from PIL import Image
 
 import torch_reference_external as ref
 from decay_jax.train import checkpoint
-from decay_jax.io import convert_external as ce
+from decay_jax.cli import convert_external as ce_cli
 from decay_jax.cli import fid
 from decay_jax.data import pipeline
 from decay_jax.evals import generation as gen
@@ -44,7 +44,7 @@ def folder(tmp_path_factory):
     d = root / "images" / f"class_{i % 3}"
     d.mkdir(parents=True, exist_ok=True)
     Image.fromarray(rgb).save(d / f"{i:03d}.png")
-  assert ce.main(["random-vae", "--out", str(root / "vae"), "--channels", "8,16,16,16",
+  assert ce_cli.main(["random-vae", "--out", str(root / "vae"), "--channels", "8,16,16,16",
                   "--groups", "4", "--layers", "1"]) == 0
   return root
 
@@ -132,7 +132,7 @@ def test_pipeline_extract_train_sample_fid(folder, tmp_path):
 
   tmodel = ref.randomize_inception_(ref.FIDInception(), seed=1)
   torch.save(tmodel.state_dict(), tmp_path / "pt_inception.pth")
-  assert ce.main(["inception", "--checkpoint", str(tmp_path / "pt_inception.pth"),
+  assert ce_cli.main(["inception", "--checkpoint", str(tmp_path / "pt_inception.pth"),
                   "--out", str(tmp_path / "inception")]) == 0
   ref_stats, result = tmp_path / "ref.npz", tmp_path / "fid.json"
   common = [f"--inception={tmp_path / 'inception'}", "--batch_size=8"]

@@ -11,16 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from decay_jax.io import convert
+from decay_jax.io import official, rules
 from decay_jax.models import blocks
 from decay_jax.models import mae as mae_lib
 from decay_jax.models import vit
+from decay_jax.models.residual import Residual
 from decay_jax.train import finetune_optim as fo
 from decay_jax.train import optim
 from ml_collections import ConfigDict
 
 TINY = dict(num_classes=10, img_size=32, patch_size=4, dim=64, depth=4, num_heads=4,
-            drop_path=0.1, alpha_min=0.7)
+            drop_path=0.1, residual=Residual(alpha_min=0.7))
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def by_torch_name(model, tree):
   flat = {tuple(getattr(k, "key", k) for k in path): v
           for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
   out = {}
-  for r in convert.vit_rules(model):
+  for r in official.vit_rules(model):
     v = np.asarray(flat[r.path])
     out[r.torch_key] = v[r.layer] if r.layer is not None and v.ndim else v
   return out
@@ -168,7 +169,7 @@ def test_drop_path_rates_eval_identity_and_training_statistics(tiny):
 
 
 def test_init_from_a_pretrained_mae_copies_the_encoder_and_makes_the_head_fresh():
-  mae = mae_lib.mae("micro/4", alpha_min=0.6)
+  mae = mae_lib.mae("micro/4", residual=Residual(alpha_min=0.6))
   x = jnp.zeros((1, 16, 16, 3))
   mae_params = jax.jit(mae.init)(jax.random.key(0), x, jnp.zeros((1, 16)))["params"]
   model = vit.from_mae(mae, num_classes=10, drop_path=0.1)
@@ -295,15 +296,15 @@ def test_forward_matches_the_torch_reference_classifier(alpha_min):
   torch.manual_seed(0)
   tm = ref.randomize_(ref.VisionTransformerClassifier(min_decay=alpha_min), seed=1, scale=0.1)
   tm.eval()
-  model = vit.ViTClassifier(**dict(TINY, alpha_min=alpha_min))
-  params, report = convert.vit_from_torch(tm.state_dict(), model)
+  model = vit.ViTClassifier(**dict(TINY, residual=Residual(alpha_min=alpha_min)))
+  params, report = official.vit_from_torch(tm.state_dict(), model)
   assert len(report.loaded) == len(tm.state_dict()) == 4 + 12 * 4 + 4
   x = np.random.default_rng(2).standard_normal((3, 32, 32, 3)).astype(np.float32)
   with torch.no_grad():
     want = tm(torch.tensor(x).permute(0, 3, 1, 2)).numpy()
   got = np.asarray(jax.jit(model.apply)({"params": params}, x))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-  back = convert.to_torch(params, convert.vit_rules(model))
+  back = rules.to_torch(params, official.vit_rules(model))
   assert list(back) == list(tm.state_dict())
 
 
@@ -356,7 +357,7 @@ def test_finetuning_a_pretrained_workdir_trains_and_reports_accuracy(finetuned):
   params, _ = ckpt_lib.restore_run_params(str(root / "ft"), mesh)
   assert set(params) == {"patch_embed", "cls_token", "pos_embed", "blocks", "fc_norm", "head"}
   assert params["head"]["kernel"].shape == (32, 10)
-  # A params directory works as init_from too (what `decay_jax.convert mae` writes).
+  # A params directory works as init_from too (what `decay_jax.cli.convert mae` writes).
   ckpt_lib.save_params(str(root / "params"), mae_params, mae_model)
   again, again_params = pretrained.load(str(root / "params"), mesh)
   assert again.alpha_min == 0.6
@@ -367,7 +368,7 @@ def test_finetuning_a_pretrained_workdir_trains_and_reports_accuracy(finetuned):
 def test_init_from_anything_else_is_one_line(finetuned, tmp_path):
   from decay_jax.train import checkpoint as ckpt_lib
   from decay_jax.train import pretrained
-  from decay_jax.train import trainer
+  from decay_jax.train import setup
   root, ft, _ = finetuned
   with pytest.raises(ckpt_lib.CheckpointError, match="init_from=.* is not allowed; it is neither "
                                                      "a pre-training workdir"):
@@ -376,7 +377,7 @@ def test_init_from_anything_else_is_one_line(finetuned, tmp_path):
   bad.mixup.group = 12
   with pytest.raises(ValueError, match="mixup.group=12 is not allowed; it must divide "
                                        "batch_size = 32"):
-    trainer.check_config(bad)
+    setup.check_config(bad)
   rgb = ft.copy_and_resolve_references()
   rgb.data.dataset = "cifar10"
   from decay_jax import sharding as shd
@@ -427,7 +428,7 @@ def test_an_alpha_of_zero_turns_that_mode_off():
 
 def test_an_official_decayed_checkpoint_loads_its_encoder_only():
   """The spec's loading check on an official-layout state_dict (skip.*, decoder_*, no norm):
-  converted (``decay_jax.convert mae`` does this), then the classifier takes exactly the encoder
+  converted (``decay_jax.cli.convert mae`` does this), then the classifier takes exactly the encoder
   (4 + 12 x depth tensors), the schedule of ``min_decay``, and starts fc_norm and head fresh."""
   import torch_reference as ref
   kw = dict(img_size=16, patch_size=4, in_chans=3, embed_dim=32, depth=4, num_heads=2,
@@ -438,12 +439,12 @@ def test_an_official_decayed_checkpoint_loads_its_encoder_only():
   assert not any(k.startswith("norm.") for k in sd)
   mae = mae_lib.MaskedAutoencoder(img_size=16, patch_size=4, dim=32, depth=4, num_heads=2,
                                   decoder_dim=16, decoder_depth=3, decoder_num_heads=2,
-                                  alpha_min=0.6)
-  mae_params, _ = convert.mae_from_torch(sd, mae)
+                                  residual=Residual(alpha_min=0.6))
+  mae_params, _ = official.mae_from_torch(sd, mae)
   model = vit.from_mae(mae, num_classes=10, drop_path=0.1)
   params = vit.init_from_mae(fresh_params(model, 0), mae, mae_params)
   loaded = by_torch_name(model, params)
-  as_torch = convert.to_torch(params, convert.vit_rules(model))  # torch layout, torch names
+  as_torch = rules.to_torch(params, official.vit_rules(model))  # torch layout, torch names
   encoder = [k for k in loaded if k == "cls_token" or k.startswith(("patch_embed.", "blocks."))]
   assert len(encoder) + 1 == 4 + 12 * 4  # + pos_embed, the checkpoint's sin-cos table
   for k in encoder:

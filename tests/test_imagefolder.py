@@ -22,6 +22,7 @@ import pytest
 from PIL import Image
 
 from decay_jax import sharding as shd
+from decay_jax import validate
 from decay_jax.data import loader, pipeline
 from decay_jax.evals import registry
 from decay_jax.train import checkpoint as ckpt_lib
@@ -214,14 +215,14 @@ def test_unreadable_image_in_a_worker_gives_one_line(tmp_path):
   cfg = cfg_for(f"imagefolder:{root}", image_size=4, eval_split="train", num_workers=2)
   stream = pipeline.make_train_iterator(cfg, 8, seed=0)
   try:
-    with pytest.raises(loader.InputError) as e:
+    with pytest.raises(validate.InputError) as e:
       next(stream)
   finally:
     stream.close()
   assert str(e.value) == (f"dataset='imagefolder:{root}', step 0: image "
                           f"'{root}/train/b/2.png' cannot be read (not an image file Pillow can "
                           "decode)")
-  with pytest.raises(loader.InputError, match="2.png' cannot be read"):
+  with pytest.raises(validate.InputError, match="2.png' cannot be read"):
     pipeline.load_eval_arrays(cfg)
 
 
@@ -235,12 +236,12 @@ def test_a_worker_that_dies_gives_one_line(digits):
     workers = [p for p in multiprocessing.active_children() if p.pid not in before]
     assert len(workers) == 2, workers
     os.kill(workers[0].pid, signal.SIGKILL)
-    with pytest.raises(loader.InputError) as e:
+    with pytest.raises(validate.InputError) as e:
       for _ in range(50):  # the batches already prepared by the other worker come first
         next(stream)
     # The stream closed itself: the other worker is gone, and asking again gives the same line.
     assert not [p for p in multiprocessing.active_children() if p.pid not in before]
-    with pytest.raises(loader.InputError) as again:
+    with pytest.raises(validate.InputError) as again:
       next(stream)
     assert str(again.value) == str(e.value)
   finally:
@@ -260,7 +261,7 @@ def test_an_error_a_worker_cannot_send_back_gives_one_line(workers):
                               loader.Parallelism(workers, 1, 2), "imagefolder:/x:train[:8]")
   try:
     assert next(stream)["label"].tolist() == [0, 1, 2, 3]
-    with pytest.raises(loader.InputError) as e:
+    with pytest.raises(validate.InputError) as e:
       next(stream)
   finally:
     stream.close()
@@ -336,7 +337,7 @@ def test_ctrl_c_stops_the_stream_without_worker_tracebacks(digits):
 
 
 def _command(workdir, folder):
-  return [sys.executable, "-m", "decay_jax.main", "--config=configs/mae_cpu_mnist.py",
+  return [sys.executable, "-m", "decay_jax.cli.train", "--config=configs/mae_cpu_mnist.py",
           f"--workdir={workdir}", f"--config.data.dataset=imagefolder:{folder}", *TINY]
 
 

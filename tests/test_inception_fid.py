@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import torch_reference_external as ref
 from parity import nhwc
-from decay_jax.io import convert, convert_external as ce
+from decay_jax.io import convert_external as ce, rules
 from decay_jax.cli import fid
 from decay_jax.evals import generation as gen
 from decay_jax.models import inception as inception_lib
@@ -60,7 +60,7 @@ def test_every_key_of_the_weights_file_layout_is_mapped(pair):
   back = ce.inception_to_torch(pair["params"], pair["fmodel"])
   for k, v in back.items():
     np.testing.assert_array_equal(v, sd[k].numpy(), err_msg=k)
-  with pytest.raises(convert.ConversionError, match="missing key.*Mixed_7c.branch_pool.bn.running_var"):
+  with pytest.raises(rules.ConversionError, match="missing key.*Mixed_7c.branch_pool.bn.running_var"):
     ce.inception_from_torch({k: v for k, v in sd.items()
                              if k != "Mixed_7c.branch_pool.bn.running_var"}, pair["fmodel"])
 

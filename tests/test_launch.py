@@ -35,7 +35,7 @@ for line in sys.stdin:
   if pid == 0:
     os.close(r)
     try:
-      sys.argv = ["decay_jax.main", *json.loads(line)]  # config_flags reads overrides there
+      sys.argv = ["decay_jax.cli.train", *json.loads(line)]  # config_flags reads overrides there
       flags.FLAGS(sys.argv)
       out = {"workdir": flags.FLAGS.workdir,
              "config": json.loads(flags.FLAGS.config.to_json_best_effort())}
@@ -87,7 +87,7 @@ def field_path_error(config, dotted):
 
 
 def check_trainer_argv(parse, argv, config_file, workdir):
-  """``argv`` (what reaches ``python -m decay_jax.main``) starts with --config and --workdir, its
+  """``argv`` (what reaches ``python -m decay_jax.cli.train``) starts with --config and --workdir, its
   every --config.x names a field of ``config_file`` (the project's config loader) and the trainer's
   parser accepts it all, unknown flags and bad values included, with the overrides applied."""
   from testing_configs import load_config
@@ -151,7 +151,7 @@ def test_slurm_dry_run_runs_one_process_per_gpu(trainer_parse):
   srun = shlex.split(out)
   assert srun[:4] == ["srun", "--kill-on-bad-exit=1", "bash", "-c"] and srun[5] == "_", srun
   assert shlex.split(srun[4]) == ["CUDA_VISIBLE_DEVICES=$SLURM_LOCALID", "DECAY_JAX_DISTRIBUTED=1",
-                                  "exec", ".venv/bin/python", "-m", "decay_jax.main", "$@"]
+                                  "exec", ".venv/bin/python", "-m", "decay_jax.cli.train", "$@"]
   check_trainer_argv(trainer_parse, srun[6:], "configs/mae_vit_b16.py", "/shared/run")
   assert srun[8:] == overrides
 
@@ -183,7 +183,7 @@ def test_tpu_pod_dry_run_targets_all_workers(trainer_parse):
   p = run(steps[-1][2:], DRY_RUN="1", DECAY_JAX_DISTRIBUTED="1", JAX_EXTRA="tpu")
   assert p.returncode == 0, p.stderr
   python = shlex.split(p.stdout)
-  assert python[:3] == [".venv/bin/python", "-m", "decay_jax.main"], python
+  assert python[:3] == [".venv/bin/python", "-m", "decay_jax.cli.train"], python
   check_trainer_argv(trainer_parse, python[3:], "configs/mae_vit_l16.py", "gs://b/run")
   assert python[5:] == overrides
   p = run(["bash", "launch/tpu_pod.sh", "configs/mae_vit_l16.py", "gs://b/run"], DRY_RUN="1")

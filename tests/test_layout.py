@@ -2,7 +2,7 @@
 own modules, and every import pointing down the layers (``docs/layout.md``).
 
 Layers, bottom up: the base modules (validate, sharding, logs, plots), models, data, diffusion,
-train, evals, io, cli. A layer imports only the layers its row allows below; evals never import
+train, evals, io, perf, cli; no command imports another command. A layer imports only the layers its row allows below; evals never import
 train, and train never imports evals (the trainer is handed its evaluators).
 """
 
@@ -24,7 +24,8 @@ ALLOWED = {
     "train": {"models", "data", "diffusion"},
     "evals": {"models", "data", "diffusion"},
     "io": {"models", "train"},
-    "cli": {"models", "data", "diffusion", "train", "evals", "io"},
+    "perf": {"models", "data", "diffusion", "train"},
+    "cli": {"models", "data", "diffusion", "train", "evals", "io", "perf"},
 }
 
 
@@ -144,3 +145,41 @@ def test_imports_point_down_the_layers():
 def test_the_package_root_imports_nothing():
   """``import decay_jax`` is free: no submodule, no environment change (see test_packaging)."""
   assert GRAPH["decay_jax"] == {}
+
+
+def test_no_command_imports_another_command():
+  """``cli`` modules share code through the layers below, never through each other (``cli.errors``,
+  the one-line error wrapper every command uses, is the exception)."""
+  bad = [f"{m} imports {t}" for m, ts in GRAPH.items() if _layer(m) == "cli"
+         for t in ts if _layer(t) == "cli" and t != "decay_jax.cli.errors"
+         and not (m.count(".") == 1 and m.split(".")[1] in ALIASES)]
+  assert not bad, bad
+
+
+@pytest.mark.parametrize("alias, flag", [("main", "--workdir"), ("evaluate", "--checkpoint"),
+                                         ("sample", "--num")])
+def test_old_command_names_list_their_flags(alias, flag):
+  """``python -m decay_jax.ALIAS --help`` shows the flags of the command it stands for."""
+  import subprocess
+  import sys
+  out = subprocess.run([sys.executable, "-m", f"decay_jax.{alias}", "--help"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  # absl's --help exits with status 1 after printing the flags
+  assert f"{flag}:" in out.stdout, (out.returncode, out.stdout[:2000], out.stderr[-2000:])
+
+
+def test_files_do_one_job_in_at_most_600_lines():
+  long = {os.path.relpath(p, REPO): n for p in MODULES.values()
+          if (n := sum(1 for _ in open(p))) > 600}
+  assert not long, long
+
+
+def test_code_asks_the_task_object_not_its_name():
+  """Tasks are registered by name in ``train/tasks/__init__.py`` and models by task name in
+  ``models/factory.py``'s table; nothing else branches on ``config.task``'s value."""
+  import re
+  branch = re.compile(r"\btask\s*(==|!=)|\btask\s+(not\s+)?in\s*[(\[{]")
+  bad = [f"{os.path.relpath(p, REPO)}:{i}: {line.strip()}" for p in MODULES.values()
+         for i, line in enumerate(open(p), 1) if branch.search(line.split("#")[0])]
+  assert not bad, "\n".join(bad)

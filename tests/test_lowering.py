@@ -18,7 +18,7 @@ import jax
 import pytest
 
 from decay_jax import sharding as shd
-from decay_jax.train import export
+from decay_jax.perf import export
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = 64

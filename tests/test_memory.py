@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from decay_jax.cli import memory
+from decay_jax import sharding as shd
+from decay_jax.perf import memory
 from test_train import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +42,7 @@ def test_fsdp_divides_the_sharded_parameters_and_remat_lowers_temporaries(compil
   split = memory.shard_bytes(fsdp["a_state"]["params"])
   # Only fc1/fc2 kernels of the micro model reach FSDP_MIN_SIZE: they shrink 8x, the rest stays.
   big = sum(int(np.prod(a.shape)) * 4 for a in jax.tree_util.tree_leaves(rep["a_state"]["params"])
-            if np.prod(a.shape) >= memory.shd.FSDP_MIN_SIZE)
+            if np.prod(a.shape) >= shd.FSDP_MIN_SIZE)
   assert big > 0 and split == full - big + big // 8
   temp = {k: c["compiled"].memory_analysis().temp_size_in_bytes for k, c in compiled.items()}
   assert temp[8] < temp[1], temp

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from decay_jax.models import schedules
-from decay_jax.models import blocks
 from decay_jax.models import factory
 from decay_jax.models import layers
 from decay_jax.models import mae as mae_lib
 from decay_jax.models import sit as sit_lib
+from decay_jax.models.residual import Residual
 
 
 def mae_inputs(m, n=2, seed=0):
@@ -38,7 +38,7 @@ def perturbed(params, scale=0.1, seed=1):
 
 @pytest.fixture(scope="module")
 def micro_mae():
-  m = mae_lib.mae("micro/4", alpha_min=1.0)
+  m = mae_lib.mae("micro/4", residual=Residual(alpha_min=1.0))
   x, noise = mae_inputs(m)
   params = perturbed(jax.jit(m.init)(jax.random.key(0), x, noise)["params"])
   return m, params, x, noise
@@ -46,15 +46,15 @@ def micro_mae():
 
 @pytest.fixture(scope="module")
 def micro_sit():
-  m = sit_lib.sit("micro/2", input_size=8, num_classes=10, alpha_min=1.0)
+  m = sit_lib.sit("micro/2", input_size=8, num_classes=10, residual=Residual(alpha_min=1.0))
   x, t, y = sit_inputs(m)
   params = perturbed(jax.jit(m.init)(jax.random.key(0), x, t, y)["params"])
   return m, params, (x, t, y)
 
 
-def standard_update(x, alpha, branch, branch_scale):
-  """The plain residual update x + f(x), ignoring alpha."""
-  del alpha, branch_scale
+def standard_update(residual, x, alpha, branch):
+  """The plain residual update x + f(x), ignoring alpha (in place of ``Residual.update``)."""
+  del residual, alpha
   return x + branch.astype(x.dtype)
 
 
@@ -65,10 +65,10 @@ def test_mae_alpha_min_one_is_exactly_the_standard_residual_network(micro_mae, m
   m, params, x, noise = micro_mae
   decayed = m.apply({"params": params}, x, noise)
   with monkeypatch.context() as mp:
-    mp.setattr(blocks, "decayed_update", standard_update)
+    mp.setattr(Residual, "update", standard_update)
     standard = m.apply({"params": params}, x, noise)
   # The check can fail: with alpha_min < 1 the decayed model differs from the standard one.
-  other = m.clone(alpha_min=0.7).apply({"params": params}, x, noise)
+  other = m.clone(residual=Residual(alpha_min=0.7)).apply({"params": params}, x, noise)
   chex.assert_trees_all_equal(decayed, standard)  # bit for bit
   assert float(jnp.abs(other["pred"] - standard["pred"]).max()) > 1e-3
 
@@ -78,15 +78,15 @@ def test_sit_alpha_min_one_is_exactly_the_standard_residual_network(micro_sit, m
   m, params, args = micro_sit
   decayed = m.apply({"params": params}, *args)
   with monkeypatch.context() as mp:
-    mp.setattr(blocks, "decayed_update", standard_update)
+    mp.setattr(Residual, "update", standard_update)
     standard = m.apply({"params": params}, *args)
-  other = m.clone(alpha_min=0.8).apply({"params": params}, *args)
+  other = m.clone(residual=Residual(alpha_min=0.8)).apply({"params": params}, *args)
   chex.assert_trees_all_equal(decayed, standard)
   assert float(jnp.abs(other - standard).max()) > 1e-3
 
 
 def test_mae_official_init():
-  m = mae_lib.mae("micro/4", alpha_min=0.6)
+  m = mae_lib.mae("micro/4", residual=Residual(alpha_min=0.6))
   x, noise = mae_inputs(m)
   params = jax.jit(m.init)(jax.random.key(0), x, noise)["params"]
   out, feats, tokens = jax.jit(lambda p: m.apply(
@@ -157,9 +157,9 @@ def test_sit_xl2_parameter_count():
 
 
 @pytest.mark.parametrize("make,match", [
-    (lambda: mae_lib.mae("B/16", alpha_min=0.0), r"alpha_min=0.0 is not allowed; it must be a number in \(0, 1\]"),
+    (lambda: mae_lib.mae("B/16", residual=Residual(alpha_min=0.0)), r"alpha_min=0.0 is not allowed; it must be a number in \(0, 1\]"),
     (lambda: mae_lib.mae("B/16", img_size=100), "img_size=100 is not allowed; it must be a multiple of patch_size=16"),
-    (lambda: mae_lib.mae("B/16", shortcut_form="rezero"), "shortcut_form='rezero' is not allowed; choose one of 'decay'"),
+    (lambda: mae_lib.mae("B/16", residual=Residual(shortcut_form="rezero")), "shortcut_form='rezero' is not allowed; choose one of 'decay'"),
     (lambda: mae_lib.mae("B/16", remat_policy="some"), "remat_policy='some' is not allowed; choose one of 'none', 'full', 'dots'"),
     (lambda: mae_lib.mae("B/16", attention_impl="flash"), "attention_impl='flash' is not allowed"),
     (lambda: mae_lib.mae("B/16", attention_impl="cudnn"), "attention_impl='cudnn' is not allowed with dtype=float32; cuDNN flash attention needs dtype bfloat16 or float16"),
@@ -169,7 +169,7 @@ def test_sit_xl2_parameter_count():
     (lambda: mae_lib.mae("B/16", alpha=0.7), r"unknown MaskedAutoencoder field\(s\) \['alpha'\]"),
     (lambda: mae_lib.mae("B/16", mask_ratio=1.0), r"mask_ratio=1.0 is not allowed; it must be in \[0, 1\)"),
     (lambda: sit_lib.sit("XL/2", depth=27), "depth=27 is not allowed; SiT splits it"),
-    (lambda: sit_lib.sit("XL/2", schedule_convention="x"), "schedule_convention='x' is not allowed"),
+    (lambda: sit_lib.sit("XL/2", residual=Residual(schedule_convention="x")), "schedule_convention='x' is not allowed"),
     (lambda: sit_lib.sit("XL/3"), "preset='XL/3' is not allowed"),
 ])
 def test_bad_fields_fail_at_construction(make, match):
@@ -198,7 +198,7 @@ def test_attention_none_chooses_cudnn_on_gpu_for_half_precision_and_shapes_it_ta
 
 
 def test_bfloat16_compute_keeps_float32_params_and_residual_stream():
-  m32 = mae_lib.mae("micro/4", alpha_min=0.6)
+  m32 = mae_lib.mae("micro/4", residual=Residual(alpha_min=0.6))
   m16 = m32.clone(dtype=jnp.bfloat16)
   x, noise = mae_inputs(m32)
   params = perturbed(jax.jit(m32.init)(jax.random.key(0), x, noise)["params"])
@@ -215,14 +215,14 @@ def test_bfloat16_compute_keeps_float32_params_and_residual_stream():
 
 
 def test_learnable_alpha_is_a_trained_parameter():
-  m = mae_lib.mae("micro/4", alpha_min=0.6, shortcut_form="learnable")
+  m = mae_lib.mae("micro/4", residual=Residual(alpha_min=0.6, shortcut_form="learnable"))
   x, noise = mae_inputs(m)
   init = jax.jit(m.init)(jax.random.key(0), x, noise)["params"]
   params = perturbed(init)
   np.testing.assert_array_equal(init["alpha"], schedules.decay_schedule(m.depth, 0.6).astype(np.float32))
   g = jax.jit(jax.grad(lambda p: m.apply({"params": p}, x, noise)["loss"]))(params)
   assert g["alpha"].shape == (m.depth, 2) and float(jnp.abs(g["alpha"]).min()) > 0
-  fixed = mae_lib.mae("micro/4", alpha_min=0.6)
+  fixed = mae_lib.mae("micro/4", residual=Residual(alpha_min=0.6))
   assert "alpha" not in jax.eval_shape(fixed.init, jax.random.key(0), x, noise)["params"]
 
 
@@ -230,7 +230,7 @@ def test_sqrt_half_forms_scale_identity_and_branch(monkeypatch):
   # Identity: at the official init every branch output is 0, so the final block output is the
   # embedded tokens times the product of all identity coefficients.
   for form, identity in (("sqrt_half_both", 0.5 ** 0.5), ("sqrt_half_f", 1.0)):
-    m = mae_lib.mae("micro/4", shortcut_form=form)
+    m = mae_lib.mae("micro/4", residual=Residual(shortcut_form=form))
     x, noise = mae_inputs(m)
     params = jax.jit(m.init)(jax.random.key(0), x, noise)["params"]
     feats, tokens = jax.jit(lambda p, im: m.apply(
@@ -240,13 +240,15 @@ def test_sqrt_half_forms_scale_identity_and_branch(monkeypatch):
   # Branch: every update receives branch_scale sqrt(1/2) (a static Python float).
   scales = []
 
-  def spy(x, alpha, branch, branch_scale):
-    scales.append(branch_scale)
-    return blocks.__dict__["_original_update"](x, alpha, branch, branch_scale)
+  original = Residual.update
 
-  monkeypatch.setitem(blocks.__dict__, "_original_update", blocks.decayed_update)
-  monkeypatch.setattr(blocks, "decayed_update", spy)
-  s = sit_lib.sit("micro/2", input_size=8, num_classes=10, shortcut_form="sqrt_half_f")
+  def spy(residual, x, alpha, branch):
+    scales.append(residual.branch_scale)
+    return original(residual, x, alpha, branch)
+
+  monkeypatch.setattr(Residual, "update", spy)
+  s = sit_lib.sit("micro/2", input_size=8, num_classes=10,
+                  residual=Residual(shortcut_form="sqrt_half_f"))
   jax.eval_shape(s.init, jax.random.key(0), *sit_inputs(s))
   assert scales and set(scales) == {math.sqrt(0.5)}
 

@@ -29,6 +29,7 @@ from decay_jax import paths
 from decay_jax.evals import registry
 from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import trainer, writers
+from decay_jax.train import setup
 from test_sit_train import restore_state, tiny_sit_config
 from test_train import restore_params, tiny_config
 
@@ -184,7 +185,7 @@ def test_evaluate_reads_gcs_and_writes_its_report_there(gcs, mae_runs, tmp_path)
 
 def test_params_dir_round_trip_on_gcs(gcs, mae_runs):
   c, local, remote, *_ = mae_runs
-  info, model, mesh = trainer.check_config(c)
+  info, model, mesh = setup.check_config(c)
   params, _ = ckpt_lib.restore_run_params(remote, mesh)
   ckpt_lib.save_params(f"gs://{BUCKET}/converted", jax.device_get(params), model)
   assert "converted/model.json" in objects(gcs, "converted/")

@@ -42,9 +42,9 @@ SCRIPTS = {
     "decay-jax-memory": "decay_jax.cli.memory:run",
     "decay-jax-compare": "decay_jax.cli.compare:run",
     "decay-jax-extract-latents": "decay_jax.cli.extract_latents:run",
-    "decay-jax-convert": "decay_jax.io.convert:run",
-    "decay-jax-convert-external": "decay_jax.io.convert_external:run",
-    "decay-jax-schedules": "decay_jax.models.schedules:run",
+    "decay-jax-convert": "decay_jax.cli.convert:run",
+    "decay-jax-convert-external": "decay_jax.cli.convert_external:run",
+    "decay-jax-schedules": "decay_jax.cli.schedules:run",
     "decay-jax-lower": "decay_jax.cli.lower:run",
 }
 EMBEDDED_NPZ = "decay_jax/data/embedded/mnist_10k.npz"

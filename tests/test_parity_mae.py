@@ -1,6 +1,6 @@
 """MAE parity: the Flax model with converted weights equals the PyTorch reference (float32).
 
-Random non-zero weights (not the zero-heavy official init) go through ``convert.mae_from_torch``;
+Random non-zero weights (not the zero-heavy official init) go through ``official.mae_from_torch``;
 both models see the same images and the same masking noise. Tolerances are stated per assertion.
 """
 
@@ -13,8 +13,9 @@ import torch
 
 import torch_reference as ref
 from parity import assert_grads_match, nhwc
-from decay_jax.io import convert
+from decay_jax.io import official, rules, sizes
 from decay_jax.models import mae as mae_lib
+from decay_jax.models.residual import Residual
 
 ATOL = 1e-5  # forward outputs, absolute (values are O(1))
 GRAD_RTOL = 1e-4  # gradients, relative to the largest entry of each tensor
@@ -37,7 +38,7 @@ def flax_model(kw):
       dim=kw["embed_dim"], depth=kw["depth"], num_heads=kw["num_heads"],
       decoder_dim=kw["decoder_embed_dim"], decoder_depth=kw["decoder_depth"],
       decoder_num_heads=kw["decoder_num_heads"], norm_pix_loss=kw["norm_pix_loss"],
-      alpha_min=kw["min_decay"])
+      residual=Residual(alpha_min=kw["min_decay"]))
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -46,7 +47,7 @@ def pair(request):
   torch.manual_seed(0)
   tmodel = ref.randomize_(ref.MaskedAutoencoderViT(**kw), seed=1, scale=0.1).eval()
   fmodel = flax_model(kw)
-  params, report = convert.mae_from_torch(tmodel.state_dict(), fmodel)
+  params, report = official.mae_from_torch(tmodel.state_dict(), fmodel)
   rng = np.random.default_rng(2)
   imgs = rng.standard_normal((3, kw["in_chans"], kw["img_size"], kw["img_size"])).astype(np.float32)
   noise = rng.random((3, fmodel.num_patches)).astype(np.float32)
@@ -98,7 +99,7 @@ def test_gradients_match(pair):
 def test_conversion_report_and_round_trip(pair):
   t, f = pair["tmodel"], pair["fmodel"]
   sd = {k: v.numpy() for k, v in t.state_dict().items()}
-  unused = convert.mae_unused_skip_keys(f)
+  unused = official.mae_unused_skip_keys(f)
   if pair["name"] == "deep":
     assert unused == [f"skip.2.{n}" for n in ("mask_token", "fc.0.weight", "fc.0.bias",
                                                "fc.2.weight", "fc.2.bias")]
@@ -106,7 +107,7 @@ def test_conversion_report_and_round_trip(pair):
     assert unused == []
   assert set(pair["report"].ignored) == {"pos_embed", "decoder_pos_embed", *unused}
   assert len(pair["report"].loaded) == len(sd) - 2 - len(unused)
-  back = convert.mae_to_torch(pair["params"], f)
+  back = official.mae_to_torch(pair["params"], f)
   assert list(back) == list(sd)  # official keys, official order
   for k in sd:
     if k in unused:
@@ -126,7 +127,7 @@ def test_flax_torch_flax_is_exact(pair):
                   jnp.zeros((1, f.num_patches)))["params"]
   params = jax.tree_util.tree_map(lambda a: a + 0.01 * jnp.arange(a.size).reshape(a.shape) / a.size,
                                   params)
-  again, _ = convert.mae_from_torch(convert.mae_to_torch(params, f), f)
+  again, _ = official.mae_from_torch(official.mae_to_torch(params, f), f)
   chex.assert_trees_all_equal(again, params)
 
 
@@ -134,21 +135,21 @@ def test_conversion_errors(pair):
   f = pair["fmodel"]
   sd = {k: v.numpy() for k, v in pair["tmodel"].state_dict().items()}
   bad = dict(sd, **{"blocks.0.attn.typo.weight": np.zeros(3)})
-  with pytest.raises(convert.ConversionError, match="unknown key.*blocks.0.attn.typo.weight"):
-    convert.mae_from_torch(bad, f)
+  with pytest.raises(rules.ConversionError, match="unknown key.*blocks.0.attn.typo.weight"):
+    official.mae_from_torch(bad, f)
   missing = {k: v for k, v in sd.items() if k != "decoder_pred.bias"}
-  with pytest.raises(convert.ConversionError, match="missing key.*decoder_pred.bias"):
-    convert.mae_from_torch(missing, f)
+  with pytest.raises(rules.ConversionError, match="missing key.*decoder_pred.bias"):
+    official.mae_from_torch(missing, f)
   shaped = dict(sd, **{"blocks.1.mlp.fc1.weight": np.zeros((5, 5), np.float32)})
-  with pytest.raises(convert.ConversionError, match=r"blocks.1.mlp.fc1.weight: shape \(5, 5\)"):
-    convert.mae_from_torch(shaped, f)
+  with pytest.raises(rules.ConversionError, match=r"blocks.1.mlp.fc1.weight: shape \(5, 5\)"):
+    official.mae_from_torch(shaped, f)
   wrong_grid = dict(sd, pos_embed=np.zeros((1, 5, f.dim), np.float32))
-  with pytest.raises(convert.ConversionError, match="pos_embed: shape"):
-    convert.mae_from_torch(wrong_grid, f)
+  with pytest.raises(rules.ConversionError, match="pos_embed: shape"):
+    official.mae_from_torch(wrong_grid, f)
 
 
 def test_architecture_is_inferred_from_the_state_dict(pair):
-  fields = convert.infer_mae_fields(pair["tmodel"].state_dict())
+  fields = sizes.infer_mae_fields(pair["tmodel"].state_dict())
   kw = pair["kw"]
   assert fields["img_size"] == kw["img_size"] and fields["patch_size"] == kw["patch_size"]
   assert fields["dim"] == kw["embed_dim"] and fields["depth"] == kw["depth"]

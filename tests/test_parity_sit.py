@@ -9,8 +9,9 @@ import torch
 
 import torch_reference as ref
 from parity import assert_grads_match, nhwc
-from decay_jax.io import convert
+from decay_jax.io import official, rules, sizes
 from decay_jax.models import sit as sit_lib
+from decay_jax.models.residual import Residual
 
 ATOL = 1e-5  # outputs, absolute (values are O(1))
 GRAD_RTOL = 1e-4  # gradients, relative to the largest entry of each tensor
@@ -27,7 +28,7 @@ def flax_model(kw):
   return sit_lib.SiT(input_size=kw["input_size"], patch_size=kw["patch_size"],
                      in_channels=kw["in_channels"], dim=kw["hidden_size"], depth=kw["depth"],
                      num_heads=kw["num_heads"], num_classes=kw["num_classes"],
-                     learn_sigma=kw["learn_sigma"], alpha_min=kw["min_sigma"])
+                     learn_sigma=kw["learn_sigma"], residual=Residual(alpha_min=kw["min_sigma"]))
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -35,7 +36,7 @@ def pair(request):
   kw = CASES[request.param]
   tmodel = ref.randomize_(ref.SiT(**kw), seed=4, scale=0.1).eval()
   fmodel = flax_model(kw)
-  params, report = convert.sit_from_torch(tmodel.state_dict(), fmodel)
+  params, report = official.sit_from_torch(tmodel.state_dict(), fmodel)
   rng = np.random.default_rng(5)
   n, c, s = 4, kw["in_channels"], kw["input_size"]
   x = rng.standard_normal((n, c, s, s)).astype(np.float32)
@@ -90,7 +91,7 @@ def test_round_trips(pair):
   sd = {k: v.numpy() for k, v in t.state_dict().items()}
   assert set(pair["report"].ignored) == {"pos_embed"}
   assert len(pair["report"].loaded) == len(sd) - 1
-  back = convert.sit_to_torch(pair["params"], f)
+  back = official.sit_to_torch(pair["params"], f)
   assert set(back) == set(sd)
   for k in sd:
     np.testing.assert_allclose(back[k], sd[k], atol=1e-6 if k == "pos_embed" else 0, rtol=0,
@@ -98,12 +99,12 @@ def test_round_trips(pair):
   fresh = ref.SiT(**pair["kw"])
   fresh.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in back.items()}, strict=True)
   params = jax.tree_util.tree_map(lambda a: a + 1e-3, pair["params"])
-  again, _ = convert.sit_from_torch(convert.sit_to_torch(params, f), f)
+  again, _ = official.sit_from_torch(official.sit_to_torch(params, f), f)
   chex.assert_trees_all_equal(again, params)
 
 
 def test_architecture_is_inferred_from_the_state_dict(pair):
-  fields = convert.infer_sit_fields(pair["tmodel"].state_dict())
+  fields = sizes.infer_sit_fields(pair["tmodel"].state_dict())
   kw = pair["kw"]
   assert fields == dict(input_size=kw["input_size"], patch_size=kw["patch_size"],
                         in_channels=kw["in_channels"], dim=kw["hidden_size"], depth=kw["depth"],
@@ -114,7 +115,7 @@ def test_architecture_is_inferred_from_the_state_dict(pair):
 def test_missing_and_misshaped_keys_are_errors(pair):
   f = pair["fmodel"]
   sd = {k: v.numpy() for k, v in pair["tmodel"].state_dict().items()}
-  with pytest.raises(convert.ConversionError, match="missing key.*dec_blocks.0.skip.weight"):
-    convert.sit_from_torch({k: v for k, v in sd.items() if k != "dec_blocks.0.skip.weight"}, f)
-  with pytest.raises(convert.ConversionError, match="y_embedder.embedding_table.weight: shape"):
-    convert.sit_from_torch(dict(sd, **{"y_embedder.embedding_table.weight": np.zeros((3, 3))}), f)
+  with pytest.raises(rules.ConversionError, match="missing key.*dec_blocks.0.skip.weight"):
+    official.sit_from_torch({k: v for k, v in sd.items() if k != "dec_blocks.0.skip.weight"}, f)
+  with pytest.raises(rules.ConversionError, match="y_embedder.embedding_table.weight: shape"):
+    official.sit_from_torch(dict(sd, **{"y_embedder.embedding_table.weight": np.zeros((3, 3))}), f)

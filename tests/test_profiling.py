@@ -9,7 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from decay_jax.train import profiling, trace_table, trainer
+from decay_jax.train import config as config_lib
+from decay_jax.perf import trace_table
+from decay_jax.train import profiling, trainer
 from testing_configs import REPO, load_config, override
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -31,12 +33,12 @@ def run(tmp_path_factory):
 
 
 def test_profile_steps_parse_or_fail_in_one_line():
-  assert profiling.parse_steps("") is None
-  assert profiling.parse_steps("10,3") == (10, 3)
+  assert config_lib.parse_steps("") is None
+  assert config_lib.parse_steps("10,3") == (10, 3)
   for bad in ("3", "a,b", "1,0", "-1,2", "1,2,3"):
     with pytest.raises(ValueError, match=r"profile_steps='.*' is not allowed; it must be "
                                          r"'START,COUNT'"):
-      profiling.parse_steps(bad)
+      config_lib.parse_steps(bad)
 
 
 def test_the_window_holds_its_steps_and_every_op_is_named(run):

@@ -276,13 +276,13 @@ def _env(run_dir):
 
 
 def _start(workdir, run_dir, **kwargs):
-  return subprocess.Popen([sys.executable, "-m", "decay_jax.main", f"--workdir={workdir}",
+  return subprocess.Popen([sys.executable, "-m", "decay_jax.cli.train", f"--workdir={workdir}",
                            *COMMAND], cwd=REPO, env=_env(run_dir), start_new_session=True,
                           **kwargs)
 
 
 def _run(workdir, run_dir):
-  return run_to_end([sys.executable, "-m", "decay_jax.main", f"--workdir={workdir}", *COMMAND],
+  return run_to_end([sys.executable, "-m", "decay_jax.cli.train", f"--workdir={workdir}", *COMMAND],
                     REPO, _env(run_dir))
 
 

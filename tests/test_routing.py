@@ -12,7 +12,8 @@ import pytest
 from decay_jax.models import factory, flops, routing
 from decay_jax.models import sit as sit_lib
 from decay_jax.models.blocks import SiTBlock
-from decay_jax.train import optim, trainer
+from decay_jax.models.residual import Residual
+from decay_jax.train import optim, setup
 from decay_jax.train import config as config_lib
 from decay_jax.train import step as step_lib
 from test_sit_train import tiny_sit_config
@@ -124,7 +125,7 @@ def test_parameter_counts_and_flops_of_the_spec():
   for v, n in SPEC_XL2.items():  # spec section 7 (XL/2: D 28, d 1152)
     assert routing.extra_params(v, 28, 1152) == n
   for v, n in SPEC_S2.items():  # measured on the abstract SiT-S/2 against the plain one
-    m = sit_lib.sit("S/2", alpha_min=1.0, residual_routing=v)
+    m = sit_lib.sit("S/2", residual=Residual(alpha_min=1.0), residual_routing=v)
     res = flops.overhead(m)
     assert res["routing_params"] == n == routing.extra_params(v, 12, 384), v
     assert res["routing_flops_pct"] < (30 if v in ("none", "static_skip") else 1.1), v
@@ -144,8 +145,8 @@ def abstract_task(variant):
   c = tiny_sit_config(**{"model.residual_routing": variant,
                          "model.routing_decay": DECAY_CYCLE.get(variant, "after"),
                          "model.alpha_min": 1.0 if variant == "attnres" else 0.8})
-  info, model, _ = trainer.check_config(c)
-  task = trainer.make_task(c, model, info)
+  info, model, _ = setup.check_config(c)
+  task = setup.make_task(c, model, info)
   tx, sched = optim.make_optimizer(c.optim, c.batch_size, 10, 0)
   return c, task, tx, sched, jax.eval_shape(lambda: step_lib.init_state(task, tx, 0))
 
@@ -196,7 +197,8 @@ def test_each_variant_trains_one_step(variant, plain_micro_params):
 def test_decay_modes_agree_at_alpha_one_and_differ_below():
   x = jnp.asarray(RNG.standard_normal((2, 8, 8, 4)), jnp.float32)
   t, y = jnp.asarray([0.2, 0.7]), jnp.asarray([1, 3])
-  models = {(am, mode): sit_lib.sit("micro/2", input_size=8, num_classes=10, alpha_min=am,
+  models = {(am, mode): sit_lib.sit("micro/2", input_size=8, num_classes=10,
+                                    residual=Residual(alpha_min=am),
                                     residual_routing="fused_mirror", routing_decay=mode)
             for am in (1.0, 0.6) for mode in routing.DECAY_MODES}
   p = jax.jit(models[1.0, "after"].init)(jax.random.key(0), x, t, y)["params"]
@@ -213,8 +215,8 @@ def test_decay_modes_agree_at_alpha_one_and_differ_below():
 
 def test_sample_picture_has_the_routing_heatmap():
   c = tiny_sit_config(**{"model.residual_routing": "mirror", "sample.num_steps": 2})
-  info, model, _ = trainer.check_config(c)
-  task = trainer.make_task(c, model, info)
+  info, model, _ = setup.check_config(c)
+  task = setup.make_task(c, model, info)
   params = jax.jit(model.init)(jax.random.key(0), *task.init_inputs(2))["params"]
   pic = task.picture(params, None, jax.random.key(0))  # what the trainer saves every few steps
   assert pic.dtype == np.uint8 and pic.shape[1] > 2.5 * pic.shape[0] > 500  # samples | 3 panels
@@ -252,6 +254,6 @@ def test_every_ablation_row_loads_validates_and_builds(row):
 ])
 def test_bad_routing_configs_fail_before_compiling(overrides, match):
   with pytest.raises(ValueError, match=match):
-    trainer.check_config(override(load_config("sit_cpu_mnist_routing"), **overrides))
+    setup.check_config(override(load_config("sit_cpu_mnist_routing"), **overrides))
   with pytest.raises(ValueError, match="row='nope' is not allowed; choose one of 'baseline'"):
     load_config("sit_s2_routing", "nope")

@@ -20,6 +20,7 @@ import pytest
 
 from decay_jax.models import routing
 from decay_jax.models import sit as sit_lib
+from decay_jax.models.residual import Residual
 
 ALPHA_MIN = 0.6
 # The sublayer schedule of depth 2: alpha_k = 1 - k (1 - 0.6) / 3 for sublayers k = 0..3 (enc attn,
@@ -95,8 +96,9 @@ def hand_trunk(variant, mode, cap):
 
 
 def make_model(variant, mode):
-  return sit_lib.sit("micro/2", depth=2, input_size=8, num_classes=10, alpha_min=ALPHA_MIN,
-                     residual_routing=variant, routing_decay=mode)
+  return sit_lib.sit("micro/2", depth=2, input_size=8, num_classes=10,
+                     residual=Residual(alpha_min=ALPHA_MIN), residual_routing=variant,
+                     routing_decay=mode)
 
 
 @functools.lru_cache(maxsize=None)
@@ -181,6 +183,6 @@ def test_variants_that_route_nothing_decay_alike_in_every_mode(variant):
   for mode in MODES[1:]:
     np.testing.assert_array_equal(np.asarray(outs[mode]), np.asarray(outs["after"]), err_msg=mode)
   # ... and still decay: alpha_min 1 computes something else
-  plain = sit_lib.sit("micro/2", depth=2, input_size=8, num_classes=10, alpha_min=1.0,
-                      residual_routing=variant)
+  plain = sit_lib.sit("micro/2", depth=2, input_size=8, num_classes=10,
+                      residual=Residual(alpha_min=1.0), residual_routing=variant)
   assert float(jnp.abs(plain.apply({"params": params}, x, t, y) - outs["after"]).max()) > 1e-3

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import torch_reference as ref
+from decay_jax.cli import schedules as schedules_cli
 from decay_jax.models import schedules
 
 DEPTHS = (12, 24, 28, 32)
@@ -119,13 +120,13 @@ def test_bad_input_errors(call, match):
 
 def test_command_line(tmp_path, capsys):
   png = tmp_path / "schedule.png"
-  assert schedules.main(["--depth", "12", "--alpha-min", "0.6", "--plot", str(png)]) == 0
+  assert schedules_cli.main(["--depth", "12", "--alpha-min", "0.6", "--plot", str(png)]) == 0
   out = capsys.readouterr().out
   assert "    0    1.000000    0.982609" in out  # 1 - 0.4/23
   assert "   11    0.617391    0.600000" in out  # 1 - 22 * 0.4/23, then alpha_min
   assert f"alpha_eff (product of all 24 coefficients) = {schedules.alpha_eff(12, 0.6):.6g}" in out
   assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
-  assert schedules.main(["--depth", "12", "--target-alpha-eff", "0.0176"]) == 0
+  assert schedules_cli.main(["--depth", "12", "--target-alpha-eff", "0.0176"]) == 0
   assert "alpha_min = 0.69" in capsys.readouterr().out
-  assert schedules.main(["--depth", "12", "--alpha-min", "2"]) == 2
+  assert schedules_cli.main(["--depth", "12", "--alpha-min", "2"]) == 2
   assert "error: alpha_min=2.0 is not allowed" in capsys.readouterr().err

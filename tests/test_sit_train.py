@@ -16,6 +16,7 @@ from decay_jax.train import checkpoint
 from decay_jax.diffusion import samplers
 from decay_jax.train import config as config_lib
 from decay_jax.train import optim, step as step_lib, trainer
+from decay_jax.train import setup
 from testing_configs import load_config, override
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,8 +40,8 @@ def tiny_sit_config(**overrides):
 
 
 def restore_state(workdir, config):
-  info, model, mesh = trainer.check_config(config)
-  task = trainer.make_task(config, model, info)
+  info, model, mesh = setup.check_config(config)
+  task = setup.make_task(config, model, info)
   total, warm = config_lib.steps_for(config, info["num_train"])
   tx, _ = optim.make_optimizer(config.optim, config.batch_size, total, warm)
   abstract = step_lib.abstract_state(task, tx, config.seed, True)
@@ -63,8 +64,8 @@ def test_one_real_step_on_tfds_mock_data_with_sample_grid(tmp_path):
 
 def test_ema_update_is_exact():
   c = tiny_sit_config()
-  info, model, mesh = trainer.check_config(c)
-  task = trainer.make_task(c, model, info)
+  info, model, mesh = setup.check_config(c)
+  task = setup.make_task(c, model, info)
   tx, sched = optim.make_optimizer(c.optim, c.batch_size, 10, 0)
   state = step_lib.init_state(task, tx, 0, ema=True)
   chex.assert_trees_all_equal(state["ema"], state["params"])  # an exact copy at step 0
@@ -105,7 +106,7 @@ def test_eight_devices_equal_one(tmp_path):
 
 def test_guidance_scale_one_is_the_conditional_model():
   c = tiny_sit_config()
-  info, model, _ = trainer.check_config(c)
+  info, model, _ = setup.check_config(c)
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.standard_normal((4, 16, 16, 1)), jnp.float32)
   t = jnp.asarray(rng.random(4), jnp.float32)

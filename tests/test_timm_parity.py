@@ -37,8 +37,9 @@ import torch_reference as ref
 from decay_jax.data import config as data_config
 from decay_jax.data import mixup
 from decay_jax.data import randaugment as ra
-from decay_jax.io import convert
+from decay_jax.io import official, rules
 from decay_jax.models import vit
+from decay_jax.models.residual import Residual
 from parity import nhwc
 
 timm = timm_import.import_timm()
@@ -73,11 +74,12 @@ def test_vit_classifier_equals_timms_vision_transformer_at_alpha_one(drop_path):
   tm = timm_classifier(drop_path)
   assert isinstance(tm.norm, torch.nn.Identity) and tm.fc_norm.eps == 1e-6  # upstream's layout
   state = tm.state_dict()
-  model = vit.ViTClassifier(**TINY, dim=64, drop_path=drop_path, alpha_min=1.0)
+  model = vit.ViTClassifier(**TINY, dim=64, drop_path=drop_path,
+                            residual=Residual(alpha_min=1.0))
   assert np.all(np.asarray(model.shortcuts.alphas) == 1.0)
   # timm's keys, in timm's order, are the converter's names unchanged.
-  assert list(state) == [r.torch_key for r in convert.vit_rules(model)]
-  params, report = convert.vit_from_torch(state, model)
+  assert list(state) == [r.torch_key for r in official.vit_rules(model)]
+  params, report = official.vit_from_torch(state, model)
   assert len(report.loaded) == len(state) == 4 + 12 * 4 + 4 and not report.left_at_init
   x = np.random.default_rng(2).standard_normal((3, 3, 32, 32)).astype(np.float32)
   with torch.no_grad():
@@ -88,7 +90,7 @@ def test_vit_classifier_equals_timms_vision_transformer_at_alpha_one(drop_path):
   # And back: our parameters load strictly into another timm model and give the first one's logits.
   back = timm_classifier(drop_path, seed=7)
   back.load_state_dict({k: torch.from_numpy(np.array(v))
-                        for k, v in convert.to_torch(params, convert.vit_rules(model)).items()},
+                        for k, v in rules.to_torch(params, official.vit_rules(model)).items()},
                        strict=True)
   with torch.no_grad():
     np.testing.assert_array_equal(back(torch.from_numpy(x)).numpy(), want)

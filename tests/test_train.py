@@ -19,7 +19,8 @@ from decay_jax import sharding as shd
 from decay_jax.data import augment, pipeline
 from decay_jax.evals import registry
 from decay_jax.models import factory
-from decay_jax.train import optim, trainer
+from decay_jax.train import failures, optim, trainer
+from decay_jax.train import setup
 from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import config as config_lib
 from decay_jax.train import step as step_lib
@@ -47,8 +48,8 @@ def tiny_config(**overrides):
 
 
 def restore_params(workdir, config):
-  info, model, mesh = trainer.check_config(config)
-  task = trainer.make_task(config, model, info)
+  info, model, mesh = setup.check_config(config)
+  task = setup.make_task(config, model, info)
   total, warm = config_lib.steps_for(config, info["num_train"])
   tx, _ = optim.make_optimizer(config.optim, config.batch_size, total, warm)
   abstract = step_lib.abstract_state(task, tx, config.seed, config.ema_decay > 0)
@@ -125,11 +126,20 @@ def test_resume_after_preemption_equals_uninterrupted(tmp_path, monkeypatch):
 
 def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path):
   c = tiny_config(num_train_steps=30, **{"optim.lr": 1e12, "checkpoint.every_steps": 1})
-  with pytest.raises(trainer.NonFiniteLossError, match="non-finite loss/gradient at step"):
+  with pytest.raises(failures.Diverged) as e:
     trainer.train_and_evaluate(c, str(tmp_path), evaluators=registry.build)
   state, meta = restore_params(str(tmp_path), c)
   assert all(np.isfinite(l).all() for l in jax.tree_util.tree_leaves(state["params"]))
   assert meta["step"] >= 1
+  # One line naming the step and the newest checkpoint, which is finite (a non-finite state is
+  # never saved: the loss, the gradient or the saved state's digest pass stops first).
+  text = str(e.value)
+  assert "\n" not in text and text.startswith("training diverged: "), text
+  assert (f"non-finite loss/gradient at step {meta['step'] + 1} " in text
+          or f"non-finite values at step {meta['step'] + 1}, so it was not saved" in text), text
+  assert (f"the newest checkpoint is step {meta['step']}, finite (a rerun resumes from it)" in text
+          or "intact checkpoints: " in text), text
+  assert e.value.status == 3
 
 
 def config_files():
@@ -151,9 +161,9 @@ def test_every_config_builds_and_initialises_abstractly(path):
   model = factory.build_model(c, info)
   mesh = shd.make_mesh(c.mesh.data, c.mesh.fsdp)
   shd.check_batch(c.batch_size, mesh, c.accum_steps)
-  task = trainer.make_task(c, model, info)
+  task = setup.make_task(c, model, info)
   total, warm = config_lib.steps_for(c, info["num_train"])
-  tx, sched = trainer.make_optimizer(c, task, total, warm)
+  tx, sched = task.make_optimizer(c, total, warm)
   abstract = step_lib.abstract_state(task, tx, c.seed, c.ema_decay > 0)
   step_lib.state_shardings(abstract, tx, mesh)
   n = sum(int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(abstract["params"]))
@@ -171,12 +181,12 @@ def test_every_config_builds_and_initialises_abstractly(path):
 ])
 def test_bad_configs_fail_before_compiling(overrides, match):
   with pytest.raises(ValueError, match=match):
-    trainer.check_config(tiny_config(**overrides))
+    setup.check_config(tiny_config(**overrides))
 
 
 def test_command_line_reports_bad_override_in_one_line(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  cmd = [sys.executable, "-m", "decay_jax.main", "--config=configs/mae_cpu_mnist.py",
+  cmd = [sys.executable, "-m", "decay_jax.cli.train", "--config=configs/mae_cpu_mnist.py",
          f"--workdir={tmp_path}", "--config.model.alpha_min=1.5"]
   p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
   assert p.returncode == 2
@@ -219,9 +229,9 @@ def test_uint8_step_equals_the_step_on_host_normalised_images():
   # which shipped host-normalised float32 (augment.normalize_uint8), to 1e-6.
   config = tiny_config()
   config.data.normalize = "half"
-  info, model, mesh = trainer.check_config(config)
-  task = trainer.make_task(config, model, info)
-  tx, schedule = trainer.make_optimizer(config, task, 10, 2)
+  info, model, mesh = setup.check_config(config)
+  task = setup.make_task(config, model, info)
+  tx, schedule = task.make_optimizer(config, 10, 2)
   step = jax.jit(step_lib.make_train_step(task, tx, schedule))
   state = step_lib.init_state(task, tx, config.seed)
   pixels = next(pipeline.make_train_iterator(config.data, config.batch_size, config.seed))

@@ -13,9 +13,10 @@ import torch_reference as ref
 import torch_reference_uvit as uref
 from parity import assert_grads_match, nhwc
 from decay_jax.io import convert_uvit as convert
-from decay_jax.io.convert import ConversionError
+from decay_jax.io.rules import ConversionError
 from decay_jax.models import factory
 from decay_jax.models import uvit as uvit_lib
+from decay_jax.models.residual import Residual
 from decay_jax.models.sit import timestep_frequencies
 
 ATOL = 1e-5  # outputs, absolute (values are O(1))
@@ -27,10 +28,11 @@ SMALL = dict(img_size=8, patch_size=2, in_chans=3, dim=32, depth=4, num_heads=2)
 # skip).
 CASES = {
     "original_uncond_conv": dict(mode="uvit_original"),
-    "decayed_cond_noconv_time_mlp": dict(alpha_min=0.6, num_classes=7, conv=False,
-                                         mlp_time_embed=True),
-    "decayed_block_uncond_add_skip": dict(alpha_min=0.5, schedule_convention="block",
-                                          skip_mode="add", qkv_bias=True),
+    "decayed_cond_noconv_time_mlp": dict(residual=Residual(alpha_min=0.6), num_classes=7,
+                                         conv=False, mlp_time_embed=True),
+    "decayed_block_uncond_add_skip": dict(
+        residual=Residual(alpha_min=0.5, schedule_convention="block"), skip_mode="add",
+        qkv_bias=True),
 }
 
 
@@ -39,11 +41,12 @@ def hand_alphas(m) -> list:
   blocks = 2 * (m.depth // 2) + 1
   if m.mode == "uvit_original":
     return [(1.0, 1.0)] * blocks
-  if m.schedule_convention == "sublayer":
+  alpha_min = m.residual.alpha_min
+  if m.residual.schedule_convention == "sublayer":
     s = 2 * blocks
-    a = [1.0 - k * (1.0 - m.alpha_min) / (s - 1) for k in range(s)]
+    a = [1.0 - k * (1.0 - alpha_min) / (s - 1) for k in range(s)]
     return list(zip(a[0::2], a[1::2]))
-  return [(1.0 - (1.0 - m.alpha_min) * l / blocks, 1.0) for l in range(1, blocks + 1)]
+  return [(1.0 - (1.0 - alpha_min) * l / blocks, 1.0) for l in range(1, blocks + 1)]
 
 
 def torch_model(m):
@@ -153,30 +156,33 @@ def test_model_json_round_trip(pair):
 
 def test_schedule_of_a_two_in_one_mid_two_out_model():
   """Sublayers in0.attn, in0.mlp, in1.attn, ..., out1.mlp: alpha_k = 1 - 0.05 k (alpha_min .55)."""
-  m = uvit_lib.UViT(**SMALL, alpha_min=0.55)
+  m = uvit_lib.UViT(**SMALL, residual=Residual(alpha_min=0.55))
   assert m.num_blocks == 5
   want = [[1.0, 0.95], [0.9, 0.85], [0.8, 0.75], [0.7, 0.65], [0.6, 0.55]]
   np.testing.assert_allclose(m.shortcuts.alphas, want, rtol=0, atol=1e-15)
   assert m.shortcuts.alphas[0, 0] == 1.0 and m.shortcuts.alphas[-1, -1] == 0.55
-  block = uvit_lib.UViT(**SMALL, alpha_min=0.55, schedule_convention="block").shortcuts.alphas
+  block = uvit_lib.UViT(**SMALL, residual=Residual(alpha_min=0.55, schedule_convention="block")
+                        ).shortcuts.alphas
   np.testing.assert_allclose(block, [[0.91, 1], [0.82, 1], [0.73, 1], [0.64, 1], [0.55, 1]],
                              rtol=0, atol=1e-15)
-  original = uvit_lib.UViT(**SMALL, alpha_min=0.55, mode="uvit_original").shortcuts.alphas
+  original = uvit_lib.UViT(**SMALL, residual=Residual(alpha_min=0.55),
+                           mode="uvit_original").shortcuts.alphas
   np.testing.assert_array_equal(original, np.ones((5, 2)))
 
 
 def test_schedule_tables_of_the_spec():
   """Spec 4.2 (U-ViT-S, alpha_min 0.7) and 7 (tiny), and the alpha_eff table of 4.2."""
-  s = uvit_lib.uvit("S/2", alpha_min=0.7).shortcuts
+  s = uvit_lib.uvit("S/2", residual=Residual(alpha_min=0.7)).shortcuts
   attn = [1.0, .976, .952, .928, .904, .880, .856, .832, .808, .784, .760, .736, .712]
   np.testing.assert_allclose(s.alphas[:, 0], attn, atol=1e-12)
   np.testing.assert_allclose(s.alphas[:, 1], np.array(attn) - 0.012, atol=1e-12)
   assert s.alpha_eff == pytest.approx(1.26e-2, rel=5e-3)
-  tiny = uvit_lib.uvit("tiny/4", alpha_min=0.7).shortcuts.alphas
+  tiny = uvit_lib.uvit("tiny/4", residual=Residual(alpha_min=0.7)).shortcuts.alphas
   np.testing.assert_allclose(tiny[:, 0], [1, .953846, .907692, .861538, .815385, .769231,
                                           .723077], atol=1e-6)
   np.testing.assert_allclose(tiny[:, 1], tiny[:, 0] - .023077, atol=1e-6)
-  h = uvit_lib.uvit("H/2", alpha_min=0.7, schedule_convention="block").shortcuts
+  h = uvit_lib.uvit("H/2", residual=Residual(alpha_min=0.7, schedule_convention="block")
+                    ).shortcuts
   assert h.alphas.shape == (29, 2) and h.alpha_eff == pytest.approx(6.45e-3, rel=5e-3)
 
 
@@ -188,7 +194,7 @@ def test_schedule_tables_of_the_spec():
 @pytest.fixture(scope="module")
 def initialised():
   m = uvit_lib.UViT(img_size=16, patch_size=4, in_chans=3, dim=64, depth=4, num_heads=2,
-                    num_classes=10, alpha_min=0.6)
+                    num_classes=10, residual=Residual(alpha_min=0.6))
   x = jax.random.normal(jax.random.key(1), (2, 16, 16, 3))
   t, y = jnp.array([3.0, 500.0]), jnp.array([1, 9])
 

@@ -16,6 +16,7 @@ from decay_jax.diffusion import vp
 from decay_jax.evals import diffusion_probe
 from decay_jax.train import config as config_lib
 from decay_jax.train import optim, trainer
+from decay_jax.train import setup
 from testing_configs import load_config, override
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,8 +62,8 @@ def test_training_runs_and_keeps_the_recipe(run):
 def test_loss_is_the_noise_prediction_error_at_the_drawn_times():
   # The task's loss equals U-ViT's LSimple computed by hand from the prepared draws.
   config = tiny()
-  info, model, _ = trainer.check_config(config)
-  task = trainer.make_task(config, model, info)
+  info, model, _ = setup.check_config(config)
+  task = setup.make_task(config, model, info)
   params = jax.jit(lambda: model.init(jax.random.key(0), *task.init_inputs(1))["params"])()
   params = jax.tree_util.tree_map(  # live branches: zero-initialised kernels made random
       lambda p: p + 0.02 * jax.random.normal(jax.random.key(p.size), p.shape), params)
@@ -82,9 +83,9 @@ def test_loss_is_the_noise_prediction_error_at_the_drawn_times():
 
 def test_optimiser_decays_every_parameter_as_torch_adamw():
   config = tiny()
-  info, model, _ = trainer.check_config(config)
-  task = trainer.make_task(config, model, info)
-  tx, schedule = trainer.make_optimizer(config, task, 100, 10)
+  info, model, _ = setup.check_config(config)
+  task = setup.make_task(config, model, info)
+  tx, schedule = task.make_optimizer(config, 100, 10)
   peak = config.optim.lr
   assert [float(schedule(s)) for s in (0, 5, 10, 50)] == pytest.approx([0, peak / 2, peak, peak])
   # With a zero gradient AdamW's update is only the decay -lr * wd * p, on biases and norms too.
@@ -125,8 +126,8 @@ def test_sample_command_on_the_run(run):
 def test_conditional_model_drops_labels_to_the_null_class_and_guides():
   config = tiny(**{"model.conditional": True, "diffusion.class_dropout_prob": 0.5,
                    "sample.cfg_scale": 0.4})
-  info, model, _ = trainer.check_config(config)
-  task = trainer.make_task(config, model, info)
+  info, model, _ = setup.check_config(config)
+  task = setup.make_task(config, model, info)
   assert model.num_classes == 11 and task.null_label == 10 and task.num_labels == 10
   labels = jnp.arange(400) % 10
   batch = task.prepare({"image": jnp.zeros((400, 16, 16, 1)), "label": labels}, jax.random.key(3))
@@ -153,13 +154,13 @@ def test_conditional_model_drops_labels_to_the_null_class_and_guides():
 ])
 def test_bad_settings_fail_in_one_line_before_compiling(overrides, match):
   with pytest.raises(ValueError, match=match):
-    trainer.check_config(tiny(**overrides))
+    setup.check_config(tiny(**overrides))
 
 
 def test_discrete_schedule_trains_on_integer_steps():
   config = tiny(**{"diffusion.schedule": "discrete", "sample.method": "pp"})
-  info, model, _ = trainer.check_config(config)
-  task = trainer.make_task(config, model, info)
+  info, model, _ = setup.check_config(config)
+  task = setup.make_task(config, model, info)
   assert isinstance(task.schedule, vp.DiscreteVP)
   batch = task.prepare({"image": jnp.zeros((64, 16, 16, 1)), "label": jnp.zeros(64, jnp.int32)},
                        jax.random.key(0))
@@ -169,7 +170,7 @@ def test_discrete_schedule_trains_on_integer_steps():
 
 def test_probe_features_are_the_noised_block_outputs_of_each_image():
   config = tiny()
-  info, model, _ = trainer.check_config(config)
+  info, model, _ = setup.check_config(config)
   probe = diffusion_probe.probed(model, 0.1)
   params = jax.jit(lambda: model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 1)),
                                       jnp.zeros((1,)))["params"])()
@@ -209,7 +210,7 @@ def test_probe_of_uint8_pixels_equals_the_probe_of_host_normalised_images():
   from decay_jax.data import pipeline
   from decay_jax.evals import features
   config = tiny()
-  _, model, _ = trainer.check_config(config)
+  _, model, _ = setup.check_config(config)
   probe = diffusion_probe.probed(model, 0.1)
   params = jax.jit(lambda: model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 1)),
                                       jnp.zeros((1,)))["params"])()

@@ -16,7 +16,9 @@ from diffusers import AutoencoderKL
 
 from parity import nhwc
 from decay_jax.train import checkpoint
-from decay_jax.io import convert, convert_external as ce
+from decay_jax.cli import convert_external as ce_cli
+from decay_jax.io import convert_external as ce
+from decay_jax.io.rules import ConversionError, to_flax_layout
 from decay_jax.models import vae as vae_lib
 
 ATOL = 2e-5  # encoder moments and decoded pixels, absolute (values are O(1)); measured ~5e-6
@@ -88,7 +90,7 @@ def test_legacy_attention_names_and_cli(pair, tmp_path):
   save_file(legacy, str(tmp_path / "diffusion_pytorch_model.safetensors"))
   (tmp_path / "config.json").write_text(json.dumps({"norm_num_groups": 8,
                                                     "scaling_factor": 0.18215}))
-  assert ce.main(["vae", "--checkpoint", str(tmp_path / "diffusion_pytorch_model.safetensors"),
+  assert ce_cli.main(["vae", "--checkpoint", str(tmp_path / "diffusion_pytorch_model.safetensors"),
                   "--config", str(tmp_path / "config.json"), "--out", str(tmp_path / "out")]) == 0
   model, params = checkpoint.load_params(str(tmp_path / "out"))
   assert model == pair["fmodel"]
@@ -105,7 +107,7 @@ def test_full_sd_vae_ft_ema_config_maps_every_key():
   rules = ce.vae_rules(model)
   assert {r.torch_key for r in rules} == set(sd)  # every key mapped, none left over
   for r in rules:
-    want = tuple(convert.to_flax_layout(np.empty(tuple(sd[r.torch_key].shape)), r.layout).shape)
+    want = tuple(to_flax_layout(np.empty(tuple(sd[r.torch_key].shape)), r.layout).shape)
     assert want == targets[r.path].shape, r.torch_key
   n = sum(int(np.prod(t.shape)) for t in targets.values())
   assert n == sum(p.numel() for p in tmodel.parameters()) == 83_653_863
@@ -114,9 +116,9 @@ def test_full_sd_vae_ft_ema_config_maps_every_key():
 def test_errors_name_the_key(pair):
   sd = {k: v.numpy() for k, v in pair["sd"].items()}
   f = pair["fmodel"]
-  with pytest.raises(convert.ConversionError, match="missing key.*quant_conv.weight"):
+  with pytest.raises(ConversionError, match="missing key.*quant_conv.weight"):
     ce.vae_from_torch({k: v for k, v in sd.items() if k != "quant_conv.weight"}, f)
-  with pytest.raises(convert.ConversionError, match="decoder.conv_out.bias: shape"):
+  with pytest.raises(ConversionError, match="decoder.conv_out.bias: shape"):
     ce.vae_from_torch(dict(sd, **{"decoder.conv_out.bias": np.zeros(5)}), f)
   bad = vae_lib.AutoencoderKL(block_out_channels=(12, 32), norm_num_groups=8)
   with pytest.raises(ValueError, match=r"block_out_channels=\(12, 32\) is not allowed"):

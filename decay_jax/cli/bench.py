@@ -8,7 +8,7 @@
     python -m decay_jax.cli.bench --config=configs/mae_cpu_mnist.py --profile_steps=5,3
 
 What is timed is the trainer's step: the same jitted, donated function
-(``trainer.jit_train_step``), compiled the same way (lowered on the concrete state and batch) and
+(``train.setup.build``), compiled the same way (lowered on the concrete state and batch) and
 dispatched the same way (at most ``step.MAX_IN_FLIGHT`` steps ahead of the device). One warm-up
 step, then ``--repeats`` windows of ``--steps`` steps; wall and CPU seconds (this process, all
 threads) per step are printed as the median window and the fastest. Inputs are synthetic (the
@@ -22,8 +22,8 @@ own config (``WORKDIR/config.json``, or ``--config``) for the ratio of the two.
 ``--profile_steps=START,COUNT`` (or ``--config.profile_steps``) traces those timed steps into
 ``--profile_dir``; ``python -m decay_jax.cli.trace_table DIR`` tables the trace by op category.
 With ``--compile_only`` nothing is allocated: the step is lowered and compiled on abstract inputs
-and XLA's memory analysis is printed. ``--fake_devices=N`` makes N CPU devices (set before JAX
-starts) to size pods on a laptop. ``--torch`` times the PyTorch reference of the tests (fp32, same
+and XLA's memory analysis is printed. ``--fake_devices=N`` makes N CPU devices to size pods on a
+laptop. ``--torch`` times the PyTorch reference of the tests (fp32, same
 batch, AdamW) on the same machine and prints the ratio.
 """
 
@@ -35,33 +35,21 @@ import sys
 import tempfile
 import time
 
+import jax
+import numpy as np
+from absl import flags
+from ml_collections import config_flags
 
-def _early_fake_devices(argv) -> None:
-  """``--fake_devices`` must reach XLA before JAX is imported."""
-  for a in argv:
-    if a.startswith("--fake_devices="):
-      n = int(a.split("=", 1)[1])
-      if n > 0:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_force_host_platform_device_count={n}")
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
-_early_fake_devices(sys.argv)
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from decay_jax import paths  # noqa: E402
-from decay_jax import sharding as shd  # noqa: E402
-from decay_jax.cli import errors, memory  # noqa: E402
-from decay_jax.models import flops  # noqa: E402
-from decay_jax.train import checkpoint as ckpt_lib  # noqa: E402
-from decay_jax.train import config as config_lib  # noqa: E402
-from decay_jax.train import profiling, trainer, writers  # noqa: E402
-from decay_jax.train import step as step_lib  # noqa: E402
+from decay_jax import paths
+from decay_jax import sharding as shd
+from decay_jax.cli import errors
+from decay_jax.models import flops
+from decay_jax.models import mae as mae_lib
+from decay_jax.perf import memory
+from decay_jax.train import checkpoint as ckpt_lib
+from decay_jax.train import config as config_lib
+from decay_jax.train import profiling, writers
+from decay_jax.train import step as step_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _TASK = flags.DEFINE_enum("task", "mae", ["mae", "sit"], "Without --config: the task's defaults.")
@@ -72,7 +60,7 @@ _BATCH = flags.DEFINE_integer("batch_per_device", 0, "Per-device batch (0: the c
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per repeat (after one warm-up step).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed windows of --steps steps; min and median.")
 _COMPILE_ONLY = flags.DEFINE_bool("compile_only", False, "Only lower + compile on abstract inputs.")
-flags.DEFINE_integer("fake_devices", 0, "Number of fake CPU devices (read before JAX starts).")
+_FAKE_DEVICES = flags.DEFINE_integer("fake_devices", 0, "Fake CPU devices (0: this machine's).")
 _CHANNELS = flags.DEFINE_integer("channels", 0, "Input channels (0: 3 for MAE, 4 for SiT).")
 _TORCH = flags.DEFINE_bool("torch", False, "Also time the PyTorch reference (CPU, fp32).")
 _OUT = flags.DEFINE_string("out", None, "Append the result as one JSON line to this file.")
@@ -85,6 +73,10 @@ _PROFILE_DIR = flags.DEFINE_string(
     "Where --profile_steps writes its trace.")
 
 
+# Tasks whose pre-training the PyTorch reference of the tests times (``--torch``).
+TORCH_TASKS = ("mae", "sit")
+
+
 def trainer_timing(workdir: str) -> dict:
   """Step times a run logged (``metrics.jsonl``): median and fastest window, first one left out.
 
@@ -94,7 +86,7 @@ def trainer_timing(workdir: str) -> dict:
   path = paths.join(workdir, writers.JSONL)
   if not paths.exists(path):
     raise ValueError(f"from_trainer={workdir!r} is not allowed; it has no {writers.JSONL} (not a "
-                     "workdir of decay_jax.main)")
+                     "workdir of decay_jax.cli.train)")
   batch = ckpt_lib.run_config(workdir).batch_size
   rows = [r for r in writers.read_rows(workdir) if "examples_per_sec" in r]
   if len(rows) < 2:
@@ -147,7 +139,7 @@ def torch_reference_seconds(config, model, batch: int, steps: int) -> float:
   import torch_reference as ref
 
   torch.manual_seed(0)
-  if config.task == "mae":
+  if isinstance(model, mae_lib.MaskedAutoencoder):
     tm = ref.MaskedAutoencoderViT(
         img_size=model.img_size, patch_size=model.patch_size, in_chans=model.in_chans,
         embed_dim=model.dim, depth=model.depth, num_heads=model.num_heads,
@@ -181,39 +173,43 @@ def torch_reference_seconds(config, model, batch: int, steps: int) -> float:
 
 def main(argv):
   del argv
+  if _FAKE_DEVICES.value:  # before anything touches the backend
+    if _FAKE_DEVICES.value < 1:
+      print(f"error: --fake_devices={_FAKE_DEVICES.value} is not allowed; it must be >= 1",
+            file=sys.stderr)
+      return 2
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", _FAKE_DEVICES.value)
   config = _CONFIG.value
   try:  # bad value: one line, nothing compiled
     trained = trainer_timing(_FROM_TRAINER.value) if _FROM_TRAINER.value else {}
     if config is None and _FROM_TRAINER.value:
       config = ckpt_lib.run_config(_FROM_TRAINER.value)
     if config is None:
-      config = config_lib.mae_config() if _TASK.value == "mae" else config_lib.sit_config()
+      config = config_lib.DEFAULTS[_TASK.value]()
     config_lib.override(config, **config_lib.model_overrides(
         preset=None if _CONFIG.value is not None or trained else _PRESET.value,
         dtype=_DTYPE.value, remat=_REMAT.value))
     if _PROFILE_STEPS.value is not None:
       config_lib.override(config, profile_steps=_PROFILE_STEPS.value)
     config_lib.validate(config)
-    window = profiling.parse_steps(config.profile_steps)
+    window = config_lib.parse_steps(config.profile_steps)
     if window and sum(window) > _STEPS.value * _REPEATS.value:
       raise ValueError(f"profile_steps={config.profile_steps!r} is not allowed; the bench times "
                        f"{_STEPS.value * _REPEATS.value} steps (--steps x --repeats), numbered from 0")
-    if _TORCH.value and config.task not in ("mae", "sit"):
+    if _TORCH.value and config.task not in TORCH_TASKS:
       raise ValueError(f"--torch is not allowed with task={config.task!r}; the PyTorch reference "
                        "times MAE and SiT pre-training")
     mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp)
     batch = _BATCH.value * mesh.size if _BATCH.value else config.batch_size
-    shd.check_batch(batch, mesh, config.accum_steps)
-    memory.build(config, batch, _CHANNELS.value)  # the model checks its own fields
+    s = memory.build(config, batch, _CHANNELS.value, mesh)  # checks the config and the model
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  c = memory.train_step_pieces(config, batch, _CHANNELS.value)
-  model, task, tx = c["model"], c["task"], c["tx"]
-  abstract, shardings, a_batch = c["abstract"], c["shardings"], c["a_batch"]
-  ema = config.ema_decay > 0
+  model, task = s.model, s.task
+  a_state, a_batch = s.abstract_args()
   if _COMPILE_ONLY.value:  # abstract inputs: nothing allocated
-    state, data = c["a_state"], a_batch
+    state, data = a_state, a_batch
   else:
     rng = np.random.default_rng(0)
     shape, dtype = a_batch["image"].shape, np.dtype(a_batch["image"].dtype)
@@ -223,16 +219,14 @@ def main(argv):
     local = {"image": image,
              "label": rng.integers(0, 10, batch).astype(np.int32)}
     data = shd.global_batch_from_local(local, mesh)
-    state = jax.jit(lambda: step_lib.init_state(task, tx, config.seed, ema),
-                    out_shardings=shardings)()
+    state = s.init_state()
   # Lowered on the concrete state and batch, as the trainer does, unless --compile_only.
   t0 = time.perf_counter()
-  lowered = c["train_step"].lower(state, data)
+  lowered = s.train_step.lower(state, data)
   t1 = time.perf_counter()
   compiled = lowered.compile()
   lower_seconds, compile_seconds = t1 - t0, time.perf_counter() - t1
-  n_params = sum(int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(abstract["params"]))
-  flops_step = task.train_flops_per_example() * batch
+  n_params = sum(int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(s.abstract["params"]))
   name = (os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"]))
           if _CONFIG.value is not None else
           os.path.join(_FROM_TRAINER.value, "config.json") if trained else f"{config.task} defaults")
@@ -245,7 +239,7 @@ def main(argv):
          "params": n_params, "model_gflops_per_example": task.train_flops_per_example() / 1e9,
          "lower_seconds": round(lower_seconds, 2),
          "compile_seconds": round(compile_seconds, 2), **memory.memory_report(compiled)}
-  if config.task == "sit":  # residual routing: parameters and train FLOPs against plain residuals
+  if hasattr(model, "residual_routing"):  # SiT: routing's parameters and FLOPs against plain
     res.update(flops.overhead(model))
   if not _COMPILE_ONLY.value:
     state, m = compiled(state, data)
@@ -264,12 +258,12 @@ def main(argv):
     # CPU seconds of this process (all threads) per step: on CPU, the work done, which a shared
     # machine inflates less than the wall clock.
     res["step_cpu_seconds"] = round(float(np.median(cpus)), 5)
-    peak = flops.peak_flops_per_device(config.get("peak_tflops_per_device", 0.0))
-    res.update(step_seconds=round(sec, 5), images_per_sec=round(batch / sec, 1),
-               images_per_sec_per_device=round(batch / sec / mesh.size, 1),
-               model_tflops_per_sec_per_device=round(flops_step / sec / mesh.size / 1e12, 4))
-    if peak:
-      res["mfu"] = round(flops_step / sec / mesh.size / peak, 4)
+    rates = s.rates(sec)
+    res.update(step_seconds=round(sec, 5), images_per_sec=round(rates["examples_per_sec"], 1),
+               images_per_sec_per_device=round(rates["examples_per_sec_per_device"], 1),
+               model_tflops_per_sec_per_device=round(rates["model_tflops_per_sec_per_device"], 4))
+    if "mfu" in rates:
+      res["mfu"] = round(rates["mfu"], 4)
     res.update(trained)
     if trained:  # above 1: the bench's step is slower than the trainer's logged one
       res["bench_over_trainer"] = round(sec / trained["trainer_step_seconds"], 3)

@@ -2,7 +2,7 @@
 
     python -m decay_jax.cli.compare --config=configs/mae_cpu_mnist.py --workdir=DIR --alphas=0.6,1.0
 
-Each arm trains in ``DIR/alpha_<value>`` (resumable, like ``decay_jax.main``) with identical data,
+Each arm trains in ``DIR/alpha_<value>`` (resumable, like ``decay_jax.cli.train``) with identical data,
 seed, schedule and steps; only ``model.alpha_min`` differs (1.0 is the standard residual network).
 Writes ``DIR/comparison.md`` (the table printed at the end, with the budget), ``DIR/comparison.json``
 and ``DIR/reconstructions.png`` (each arm's final reconstruction grid, one above the other).

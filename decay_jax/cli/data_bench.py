@@ -57,7 +57,6 @@ from decay_jax import logs
 from decay_jax.cli import errors
 from decay_jax.data import bench
 from decay_jax.data import config as data_config
-from decay_jax.data import pipeline
 from decay_jax.models import factory
 from decay_jax.train import config as config_lib
 from decay_jax.train import tasks
@@ -88,16 +87,10 @@ _WORKERS = flags.DEFINE_string("workers", None, "Worker counts to time, comma-se
 
 def train_flops_per_image(config, batch_shape) -> float:
   """The config's model train FLOPs per example at the stream's image size and channels (the
-  trainer's task, built without the trainer: its metric writers import TensorFlow, which every
-  Grain worker would then import too, as it re-imports this module)."""
+  trainer's task object)."""
   info = {"image_size": int(batch_shape[-2]), "channels": int(batch_shape[-1])}
   model = factory.build_model(config, info)
-  mean, std = pipeline.normalization(config.data, info["channels"])
-  if config.task == "mae":
-    task = tasks.MAETask(model, mean=mean, std=std)
-  else:
-    task = tasks.SiTTask(model, config.transport.to_dict(), config.sample, mean=mean, std=std)
-  return float(task.train_flops_per_example())
+  return float(tasks.from_config(config, model, info).train_flops_per_example())
 
 
 def _bad_flag() -> str:

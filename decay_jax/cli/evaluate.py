@@ -4,9 +4,9 @@
     python -m decay_jax.cli.evaluate --checkpoint=PARAMS_DIR --config=configs/mae_vit_b16.py \\
         --config.data.data_dir=$TFDS_DIR --config.evals.linear.protocols=official,mae
 
-``--workdir`` is a training run of ``decay_jax.main`` / ``decay_jax.cli.compare`` (its newest checkpoint,
+``--workdir`` is a training run of ``decay_jax.cli.train`` / ``decay_jax.cli.compare`` (its newest checkpoint,
 or ``--step``), an MAE or a U-ViT (whose representation is probed at noise level ``--probe_t``,
-``decay_jax.evals.diffusion_probe``; its evaluators are knn, linear and layers); ``--checkpoint`` a params directory written by ``python -m decay_jax.io.convert`` (the
+``decay_jax.evals.diffusion_probe``; its evaluators are knn, linear and layers); ``--checkpoint`` a params directory written by ``python -m decay_jax.cli.convert`` (the
 official PyTorch weights). Both flags take comma-separated lists and may be combined: every model
 gets its own table and the plots overlay them. Data and evaluator settings come from ``--config``
 (with ``--config.evals.<name>.<field>=...`` overrides) when given, otherwise from the run's saved
@@ -56,7 +56,7 @@ _FINETUNE_CONFIG = config_flags.DEFINE_config_file(
     "finetune_config", None, "Fine-tuning config (task 'finetune') of the finetune entry; its "
     "init_from is set to each model.", lock_config=True)
 _WORKDIR = flags.DEFINE_list("workdir", [], "Training workdirs (their newest checkpoint).")
-_CHECKPOINT = flags.DEFINE_list("checkpoint", [], "Converted params dirs (decay_jax.io.convert).")
+_CHECKPOINT = flags.DEFINE_list("checkpoint", [], "Converted params dirs (decay_jax.cli.convert).")
 _NAMES = flags.DEFINE_list("names", [], "Labels of the models (default: directory names).")
 _PROBE_T = flags.DEFINE_float("probe_t", 0.01, "U-ViT runs: the noise level t_p of the "
                               "diffusion-feature probe (decay_jax.evals.diffusion_probe).")
@@ -137,8 +137,12 @@ def _check_flags() -> Optional[str]:
             "'finetune'")
   if _OUT.value is None and len(given_paths) > 1:
     return "--out=DIR is required with several models"
-  if _CONFIG.value is not None and _CONFIG.value.task != "mae":
-    return f"--config task={_CONFIG.value.task!r} is not allowed; the evaluators need 'mae'"
+  if _CONFIG.value is not None:  # it must hold the sections of the representation evaluators
+    missing = [e for e in _EVALS.value if e in registry.EVALUATORS
+               and e not in _CONFIG.value.get("evals", {})]
+    if missing:
+      return (f"--config task={_CONFIG.value.task!r} is not allowed; it has no config.evals "
+              f"section for {', '.join(missing)} (use an MAE config, e.g. configs/mae_cpu_mnist.py)")
   return None
 
 

@@ -5,7 +5,7 @@
 
 ``--images``: an ImageFolder tree (``DIR/<class>/<image>``; classes are the sorted sub-folder
 names, labels their indices, as torchvision's ImageFolder), or a flat folder (every label 0).
-``--vae``: an ``AutoencoderKL`` directory from ``python -m decay_jax.io.convert_external vae``
+``--vae``: an ``AutoencoderKL`` directory from ``python -m decay_jax.cli.convert_external vae``
 (sd-vae-ft-ema for the paper's setting).
 
 Each image goes through ADM's ``center_crop_arr`` (halve with a BOX filter while the short side is
@@ -142,7 +142,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise ValueError(f"{name}={getattr(a, name)} is not allowed; it must be >= 1")
     if not paths.exists(paths.join(a.vae, "model.json")):
       raise ValueError(f"vae={a.vae!r} is not allowed; it is not a converted VAE directory "
-                       "(python -m decay_jax.io.convert_external vae ...)")
+                       "(python -m decay_jax.cli.convert_external vae ...)")
     vae, params = checkpoint.load_params(a.vae, "vae")
     if type(vae).__name__ != "AutoencoderKL":
       raise ValueError(f"vae={a.vae!r} is not allowed; it holds a {type(vae).__name__}")

@@ -8,7 +8,7 @@
 ``decay_jax.cli.sample`` and ADM write), an ``.npz`` with ``mu``/``sigma`` statistics (ADM's reference
 batches; pytorch-fid's ``--save-stats`` files), or a folder of images. ``--inception``: the FID
 Inception converted from pytorch-fid's ``pt_inception-2015-12-05-6726825d.pth`` with
-``python -m decay_jax.io.convert_external inception``. ``--save_stats`` writes the statistics of
+``python -m decay_jax.cli.convert_external inception``. ``--save_stats`` writes the statistics of
 ``--samples`` (to serve as a reference later). Features are computed sharded over this process's
 devices, with progress and ETA. Prints FID, IS and counts, and writes them to ``--out`` (JSON).
 
@@ -64,7 +64,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if needs_net:
       if not a.inception:
         raise ValueError("--inception is required to compute features of images (convert "
-                         "pt_inception-2015-12-05-6726825d.pth with decay_jax.io.convert_external)")
+                         "pt_inception-2015-12-05-6726825d.pth with decay_jax.cli.convert_external)")
       model, params = checkpoint.load_params(a.inception, "inception")
       if type(model).__name__ != "FIDInceptionV3":
         raise ValueError(f"inception={a.inception!r} is not allowed; it holds a "

@@ -4,7 +4,7 @@
     python -m decay_jax.cli.lower --config=configs/sit_xl2.py --program=sample --out=/tmp/s.mlir
     python -m decay_jax.cli.lower --config=configs/sit_s2_routing.py:mirror --config.mesh.fsdp=8
 
-The program is the trainer's jitted train step (``decay_jax.train.export.train_program``: the
+The program is the trainer's jitted train step (``decay_jax.perf.export.train_program``: the
 config's dtype, remat, accum_steps, EMA, optimiser and mesh, FSDP state shardings, donated state)
 or the sample command's sampler (``--program=sample``, ``config.sample``), exported with
 ``jax.export`` over an abstract ``(data, fsdp)`` mesh of ``--devices`` devices: no accelerator,
@@ -21,7 +21,7 @@ from ml_collections import config_flags
 
 from decay_jax import logs, paths
 from decay_jax.cli import errors
-from decay_jax.train import export
+from decay_jax.perf import export
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file in configs/.",
                                           lock_config=True)

@@ -33,13 +33,13 @@ import time
 
 from absl import flags, logging
 
-from decay_jax import logs, paths, validate
+from decay_jax import logs, paths, plots, validate
 from decay_jax import sharding as shd
 from decay_jax.cli import errors
 from decay_jax.data import latents as latents_lib
 from decay_jax.diffusion import dpm_solver, samplers
 from decay_jax.evals import generation
-from decay_jax.train import checkpoint, tasks, trainer
+from decay_jax.train import checkpoint, setup
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (config.json + checkpoints/).")
 _STEP = flags.DEFINE_integer("step", -1, "Checkpoint step (-1: newest).")
@@ -119,7 +119,7 @@ def main(argv):
     if _NUM.value < 1:
       raise ValueError(f"num={_NUM.value} is not allowed; it must be >= 1")
     config = checkpoint.run_config(_WORKDIR.value, task=("sit", "uvit"))
-    info, model, mesh = trainer.check_config(config)
+    info, model, mesh = setup.check_config(config)
     scfg = sample_config(config.sample, config.task)
     params, step = checkpoint.restore_run_params(_WORKDIR.value, mesh, _STEP.value,
                                                  _WEIGHTS.value)
@@ -127,14 +127,14 @@ def main(argv):
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  task = trainer.make_task(config, model, info)
+  task = setup.make_task(config, model, info)
   latent = config.data.dataset.startswith("latents:")
   out_dir = str(paths.resolve(_OUT.value or paths.join(_WORKDIR.value, "samples",
                                                        f"step_{step:07d}")))
   per = mesh.size
   batch = _BATCH.value or scfg.batch_size
   batch = max(per, (batch // per) * per)
-  shape = task.sample_shape()
+  shape = task.image_shape()
   classes = task.num_labels  # unconditional U-ViT: 1 (labels are written, not used)
   base = jax.random.key(_SEED.value)
   sharding = shd.batch_sharding(mesh)
@@ -191,7 +191,7 @@ def main(argv):
       pixels = x
     else:
       pixels = (generation.to_uint8_official(x) if config.data.normalize == "half"
-                else tasks.to_uint8(x, task.mean, task.std))
+                else plots.to_uint8(x, task.mean, task.std))
     if pixels.shape[-1] == 1:
       pixels = np.repeat(pixels, 3, axis=-1)
     paths.save_npz(paths.join(out_dir, "samples.npz"), arr_0=pixels, labels=labels)
@@ -201,7 +201,7 @@ def main(argv):
     if rows[-1].shape[0] < cols:
       rows[-1] = np.concatenate([rows[-1], np.full((cols - rows[-1].shape[0],) + rows[-1].shape[1:],
                                                    255, np.uint8)])
-    picture = tasks.grid(rows)
+    picture = plots.image_grid(rows)
     scale = max(1, 512 // picture.shape[0])
     paths.save_png(paths.join(out_dir, "grid.png"), Image.fromarray(picture).resize(
         (picture.shape[1] * scale, picture.shape[0] * scale), Image.Resampling.NEAREST))

@@ -7,7 +7,7 @@
 
 Reads the profile's ``perfetto_trace.json.gz`` and the compiled step's ``train_step.hlo.txt``
 (``decay_jax.train.profiling`` writes both) and prints milliseconds per step by category
-(matmuls, attention, norms, transposes/copies, other, optimizer: ``train.trace_table`` has the
+(matmuls, attention, norms, transposes/copies, other, optimizer: ``perf.trace_table`` has the
 rules), the host side (input pipeline, host gaps) and the split by model part and direction
 (e.g. MAE's encoder against its decoder, forward against backward). ``--json=FILE`` also writes
 the numbers.
@@ -22,7 +22,7 @@ from absl import flags
 
 from decay_jax import paths
 from decay_jax.cli import errors
-from decay_jax.train import trace_table
+from decay_jax.perf import trace_table
 
 _JSON = flags.DEFINE_string("json", None, "Also write the numbers to this JSON file.")
 

@@ -1,6 +1,6 @@
-"""Train MAE or SiT with decayed identity shortcuts (``decay-jax-train`` or ``python -m decay_jax.main``).
+"""Train MAE or SiT with decayed identity shortcuts (``decay-jax-train`` or ``python -m decay_jax.cli.train``).
 
-    python -m decay_jax.main --config=configs/mae_vit_b16.py --workdir=DIR \
+    python -m decay_jax.cli.train --config=configs/mae_vit_b16.py --workdir=DIR \
         --config.model.alpha_min=0.7 --config.batch_size=8192
 
 Every config field can be overridden on the command line; the config is locked, so a misspelt
@@ -8,6 +8,11 @@ field is an error. Rerunning the same command resumes from the newest checkpoint
 On several hosts set ``DECAY_JAX_DISTRIBUTED=1`` (the launch/ scripts do) so that
 ``jax.distributed.initialize()`` runs first. The representation evaluators of ``config.evals``
 (``decay_jax.evals.registry``) run during training.
+
+The run holds ``--workdir`` (``workdir/lease.json``) before it writes anything there, so a second
+run on the same workdir stops at once. Every runtime failure ends in one line and an exit status of
+its own (``decay_jax.train.failures``): 3 diverged, 73 workdir held by another run, 74 disk or quota
+full, 75 object store unreachable, 143 stopped by SIGTERM (preempted; rerunning resumes).
 """
 
 import os
@@ -20,7 +25,9 @@ from ml_collections import config_flags
 from decay_jax import logs
 from decay_jax.cli import errors
 from decay_jax.evals import registry
-from decay_jax.train import trainer
+from decay_jax.train import checkpoint as ckpt_lib
+from decay_jax.train import failures, lease, setup, trainer
+from decay_jax.validate import InputError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file in configs/.",
                                           lock_config=True)
@@ -36,15 +43,32 @@ def main(argv):
   del argv
   logs.quiet_libraries()
   if os.environ.get("DECAY_JAX_DISTRIBUTED") == "1":
-    jax.distributed.initialize()
+    jax.distributed.initialize()  # JAX's own SIGTERM notifier syncs the hosts' preemption
+  else:
+    failures.raise_on_sigterm()  # until the train loop: stop at once (nothing new to save)
   try:
-    trainer.check_config(_CONFIG.value)
+    setup.check_config(_CONFIG.value)
   except ValueError as e:  # bad config: one line, no traceback, nothing compiled
     print(f"error: {e}", file=sys.stderr)
     return 2
-  results = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  workdir = _WORKDIR.value
+  try:
+    with lease.acquire(workdir):  # before anything is written there
+      results = train_and_evaluate(_CONFIG.value, workdir)
+  except failures.Terminated:
+    raise failures.Stopped(
+        "stopped by SIGTERM outside the train loop (startup, restore, compilation, or after the "
+        f"last step), with nothing new to save; {ckpt_lib.describe_steps(workdir)}") from None
+  except (failures.RunFailure, ckpt_lib.CheckpointError, InputError):
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    failure = failures.from_exception(e, workdir, (
+        None if failures.unreachable(e) else ckpt_lib.describe_steps(workdir)))
+    if failure is None:
+      raise
+    raise failure from None
   logging.info("results: %s", logs.compact_results(results))
-  return 0
+  return failures.PREEMPTED if results.get("preempted") else 0
 
 
 def run():

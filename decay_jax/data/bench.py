@@ -316,7 +316,7 @@ def time_stream(data_cfg: ml_collections.ConfigDict, batch: int, seed: int, step
   ``worker_libraries`` (``loaded_libraries`` of each); the whole run's (``run_wall_s``,
   ``run_cpu_self_s``, ``run_cpu_children_s``, from getrusage), the batch shape and dtype, the
   consumer and the load average before and after. Bad config values raise ValueError before a
-  worker starts; a record that cannot be read raises ``loader.InputError``.
+  worker starts; a record that cannot be read raises ``validate.InputError``.
   """
   consumer = DeviceConsumer() if consume else None
   before = memory_mb() or {}

@@ -40,6 +40,7 @@ import grain
 from absl import flags
 import numpy as np
 
+from decay_jax import validate
 from decay_jax.data import augment
 from decay_jax.data import config as data_config
 
@@ -154,11 +155,6 @@ class Parallelism:
   @classmethod
   def of(cls, cfg) -> "Parallelism":
     return cls(int(cfg.num_workers), int(cfg.num_threads), int(cfg.prefetch))
-
-
-class InputError(ValueError):
-  """Reading or preparing the input failed (an unreadable record, a worker that died); the message
-  is one line naming the dataset and, where one is to blame, the file."""
 
 
 # Grain's report of a worker process that ended without sending an exception (killed, crashed).
@@ -349,7 +345,7 @@ class TrainStream:
     self._iterator = iter(stream)
     self.next_step = layout.start_step
     self.restored = False  # whether Grain's iterator came from a saved state
-    self._failure: Optional[InputError] = None
+    self._failure: Optional[validate.InputError] = None
 
   def get_state(self) -> dict:
     identity = stream_identity(self.layout, self.seed, self.parallel, self.source)
@@ -371,8 +367,8 @@ class TrainStream:
     try:
       batch = next(self._iterator)
     except Exception as e:  # pylint: disable=broad-except  (a record, a thread or a worker failed)
-      self._failure = InputError(f"dataset={dataset_and_split(self.source)[0]!r}, "
-                                 f"step {self.next_step}: {one_line(e)}")
+      self._failure = validate.InputError(f"dataset={dataset_and_split(self.source)[0]!r}, "
+                                          f"step {self.next_step}: {one_line(e)}")
       self.close()  # the other workers stop now, not when the caller gets round to it
       raise self._failure from None
     self.next_step += 1
@@ -382,8 +378,8 @@ class TrainStream:
     """Stops the workers and threads; idempotent, and never raises (a worker may be dead)."""
     iterator, self._iterator = self._iterator, None
     if self._failure is None:
-      self._failure = InputError(f"dataset={dataset_and_split(self.source)[0]!r}: the input "
-                                 "stream was closed")
+      self._failure = validate.InputError(f"dataset={dataset_and_split(self.source)[0]!r}: the "
+                                          "input stream was closed")
     close = getattr(iterator, "close", None)
     if close is not None:
       try:
@@ -426,7 +422,7 @@ def eval_arrays(records, spec: AugmentSpec, n: int, parallel: Parallelism,
     if source is not None:
       dataset, split = dataset_and_split(source)
       where = f"dataset={dataset!r}, split {split!r}: "
-    raise InputError(where + one_line(e)) from None
+    raise validate.InputError(where + one_line(e)) from None
   images = np.concatenate([p["image"] for p in parts])
   labels = np.concatenate([p["label"] for p in parts]).astype(np.int32)
   return {"image": images, "label": labels}

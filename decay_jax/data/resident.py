@@ -318,8 +318,8 @@ class ResidentStream:
 
   def __next__(self) -> Dict[str, jax.Array]:
     if self._closed:
-      raise loader.InputError(f"dataset={loader.dataset_and_split(self.source)[0]!r}: the input "
-                              "stream was closed")
+      raise validate.InputError(f"dataset={loader.dataset_and_split(self.source)[0]!r}: the "
+                                "input stream was closed")
     rows = self.rows(self.next_step)
     rows = jax.make_array_from_callback(rows.shape, self._sharding, lambda idx: rows[idx])
     with jax.enable_x64(True):  # float64 box formulas; every array in and out is 32-bit or less

@@ -25,7 +25,7 @@ def run_model(config, params, probe_t: float = diffusion_probe.PROBE_T):
   embed = params["patch_embed"]
   channels = int(embed.get("proj", embed)["kernel"].shape[2])  # MAE: patch_embed.proj; U-ViT: patch_embed
   info = {"image_size": config.data.image_size, "channels": channels}
-  if config.task != "uvit":
+  if "diffusion" not in config:  # a representation model (MAE); U-ViT runs carry a diffusion section
     return factory.build_model(config, info)
   dropout = config.diffusion.class_dropout_prob > 0
   rows = params["label_emb"]["embedding"].shape[0] if "label_emb" in params else 0

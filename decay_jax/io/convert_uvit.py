@@ -1,5 +1,5 @@
 """The U-ViT converter: U-ViT's state_dict keys <-> ``models.uvit.UViT`` parameters, both ways
-(docs/uvit.md 1.6), a rule table on the engine of ``decay_jax.io.convert``; no command yet."""
+(docs/uvit.md 1.6), a rule table on the engine of ``decay_jax.io.rules``; no command yet."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from typing import List, Mapping, Tuple
 
 import jax.numpy as jnp
 
-from decay_jax.io.convert import (ConversionError, Report, Rule, _conv, _count, _dense, _norm,
-                                  _vit_block, abstract_params, as_numpy, from_torch, to_torch)
+from decay_jax.io.rules import (ConversionError, Report, Rule, abstract_params, as_numpy,
+                                conv_rules, dense_rules, from_torch, norm_rules, to_torch,
+                                vit_block_rules)
+from decay_jax.io.sizes import layer_count
 from decay_jax.models import uvit as uvit_lib
 
 # U-ViT's released widths -> their head counts (configs/*.py); heads are not visible in the shapes.
@@ -23,13 +25,14 @@ def uvit_rules(model: uvit_lib.UViT) -> List[Rule]:
   ``norm``, ``decoder_pred``, ``final_layer`` (``conv``). 11 keys per in/mid block (``attn.qkv``
   has no bias unless ``qkv_bias``), 13 per out-block."""
   def block(prefix, path, layer):
-    return [r for r in _vit_block(prefix, path, layer)
+    return [r for r in vit_block_rules(prefix, path, layer)
             if model.qkv_bias or not r.torch_key.endswith("attn.qkv.bias")]
 
   rules = [Rule("pos_embed", ("pos_embed",))]
-  rules += _conv("patch_embed.proj", ("patch_embed",))
+  rules += conv_rules("patch_embed.proj", ("patch_embed",))
   if model.mlp_time_embed:
-    rules += _dense("time_embed.0", ("time_embed_0",)) + _dense("time_embed.2", ("time_embed_2",))
+    rules += dense_rules("time_embed.0", ("time_embed_0",))
+    rules += dense_rules("time_embed.2", ("time_embed_2",))
   if model.conditional:
     rules += [Rule("label_emb.weight", ("label_emb", "embedding"))]
   for i in range(model.half):
@@ -38,10 +41,10 @@ def uvit_rules(model: uvit_lib.UViT) -> List[Rule]:
   for j in range(model.half):
     rules += block(f"out_blocks.{j}", ("out_blocks",), j)
     if model.skip_mode != "none":
-      rules += _dense(f"out_blocks.{j}.skip_linear", ("out_blocks", "skip_linear"), j)
-  rules += _norm("norm", ("norm",)) + _dense("decoder_pred", ("decoder_pred",))
+      rules += dense_rules(f"out_blocks.{j}.skip_linear", ("out_blocks", "skip_linear"), j)
+  rules += norm_rules("norm", ("norm",)) + dense_rules("decoder_pred", ("decoder_pred",))
   if model.conv:
-    rules += _conv("final_layer", ("final_layer",))
+    rules += conv_rules("final_layer", ("final_layer",))
   return rules
 
 
@@ -88,7 +91,7 @@ def infer_uvit_fields(state_dict: Mapping) -> dict:
   if skip is not None:
     skip_mode = "concat" if as_numpy(skip).shape[1] == 2 * dim else "add"
   return dict(img_size=grid * p, patch_size=p, in_chans=in_chans, dim=dim,
-              depth=2 * _count(state_dict, "in_blocks."),
+              depth=2 * layer_count(state_dict, "in_blocks."),
               num_heads=UVIT_HEADS.get(dim, max(1, dim // 64)), mlp_ratio=hidden / dim,
               qkv_bias="mid_block.attn.qkv.bias" in state_dict,
               mlp_time_embed="time_embed.0.weight" in state_dict, num_classes=num_classes,

@@ -1,8 +1,11 @@
 """Transformer blocks with decayed identity shortcuts (paper eq.: ``x_{l+1} = alpha_l x_l + f(x_l)``).
 
-Both blocks are written for ``nn.scan``: ``__call__(carry, xs, ...) -> (carry, carry)`` where ``xs``
-holds this block's identity coefficients ``alpha = (alpha_attn, alpha_mlp)`` (a row of the schedule
-in ``decay_jax.models.schedules``; a constant, or a trainable parameter for the 'learnable' ablation).
+Each of a block's two sublayers (attention, MLP) updates the float32 stream ``x (N, T, C)`` as
+``x <- alpha_s x + branch_scale f_s(x)`` through its ``residual`` (a ``residual.Residual``, taken
+by keyword: the one place of the update and its ablations). Both blocks are written for
+``nn.scan``: ``__call__(carry, xs, ...) -> (carry, carry)`` where ``xs`` holds this block's
+identity coefficients ``alpha = (alpha_attn, alpha_mlp)`` (a row of ``Residual.coefficients``: a
+constant, or a trainable parameter for the 'learnable' ablation).
 """
 
 from __future__ import annotations
@@ -15,16 +18,10 @@ import jax.numpy as jnp
 
 from decay_jax.models import layers
 from decay_jax.models.layers import Dtype
+from decay_jax.models.residual import Residual
 
 
-def decayed_update(x, alpha, branch, branch_scale: float):
-  """``alpha * x + branch_scale * f(x)`` with the sum in float32 (the residual stream's dtype)."""
-  if branch_scale != 1.0:
-    branch = branch_scale * branch
-  return alpha * x + branch.astype(x.dtype)
-
-
-def sow_branch_norms(module: nn.Module, name: str, x, alpha, branch, branch_scale: float) -> None:
+def sow_branch_norms(module: nn.Module, name: str, x, alpha, branch, residual: Residual) -> None:
   """Records ``(mean_t ||branch_scale f(x)_t||, mean_t ||alpha x_t||)`` per example, ``(N, 2)``.
 
   Only when the caller made ``'intermediates'`` mutable (``decay_jax.evals.branches``); otherwise
@@ -32,7 +29,7 @@ def sow_branch_norms(module: nn.Module, name: str, x, alpha, branch, branch_scal
   """
   if not module.is_mutable_collection("intermediates"):
     return
-  f = jnp.linalg.norm((branch_scale * branch).astype(jnp.float32), axis=-1).mean(axis=-1)
+  f = jnp.linalg.norm(residual.scale_branch(branch).astype(jnp.float32), axis=-1).mean(axis=-1)
   ident = jnp.linalg.norm((alpha * x).astype(jnp.float32), axis=-1).mean(axis=-1)
   module.sow("intermediates", name, jnp.stack([f, ident], axis=-1))
 
@@ -52,8 +49,10 @@ def drop_path(module: nn.Module, branch, rate, u=None):
 class MAEBlock(nn.Module):
   """Pre-norm ViT block of the official decayed MAE (docs/official_code.md 1.5).
 
-  ``x <- a_attn x + Attn(LN1(x)); x <- a_mlp x + MLP(LN2(x))`` with affine LN (eps 1e-6), qkv bias,
-  exact-erf GELU, and ``attn.proj`` / ``mlp.fc2`` weights zero-initialised. Input ``(N, T, C)``.
+  ``x <- a_attn x + s Attn(LN1(x)); x <- a_mlp x + s MLP(LN2(x))`` (``residual.update``, ``s`` its
+  ``branch_scale``) with affine LN (eps 1e-6), qkv bias, exact-erf GELU, and ``attn.proj`` /
+  ``mlp.fc2`` weights zero-initialised. Input ``(N, T, C)``, ``alpha (2,)``; output ``(N, T, C)``.
+  The MAE decoder's blocks take the default ``Residual()`` with ``alpha = (1, 1)``: ``x + f(x)``.
   With ``'intermediates'`` mutable it also sows ``attn_norms`` and ``mlp_norms``, each ``(N, 2)``:
   the mean token norm of the branch and of the scaled identity (see ``sow_branch_norms``).
   With ``stochastic_depth`` (fine-tuning, training only) each branch goes through ``drop_path``
@@ -62,7 +61,7 @@ class MAEBlock(nn.Module):
   """
   num_heads: int
   mlp_ratio: float = 4.0
-  branch_scale: float = 1.0
+  residual: Residual = Residual()
   dtype: Dtype = jnp.float32
   attention_impl: Optional[str] = None
   stochastic_depth: bool = False
@@ -75,15 +74,15 @@ class MAEBlock(nn.Module):
                          implementation=self.attention_impl, name="attn")(h)
     if self.stochastic_depth:
       h = drop_path(self, h, drop_rate, None if drop_u is None else drop_u[:, 0])
-    sow_branch_norms(self, "attn_norms", x, alpha[0], h, self.branch_scale)
-    x = decayed_update(x, alpha[0], h, self.branch_scale)
+    sow_branch_norms(self, "attn_norms", x, alpha[0], h, self.residual)
+    x = self.residual.update(x, alpha[0], h)
     h = layers.layer_norm("norm2")(x)
     h = layers.Mlp(int(c * self.mlp_ratio), approximate_gelu=False, dtype=self.dtype,
                    fc2_init=layers.zeros, name="mlp")(h)
     if self.stochastic_depth:
       h = drop_path(self, h, drop_rate, None if drop_u is None else drop_u[:, 1])
-    sow_branch_norms(self, "mlp_norms", x, alpha[1], h, self.branch_scale)
-    x = decayed_update(x, alpha[1], h, self.branch_scale)
+    sow_branch_norms(self, "mlp_norms", x, alpha[1], h, self.residual)
+    x = self.residual.update(x, alpha[1], h)
     return x, x
 
 
@@ -96,16 +95,18 @@ class SiTBlock(nn.Module):
   """adaLN-Zero DiT/SiT block with decayed shortcuts and an optional long-skip input (4.5).
 
   Decoder blocks first add ``skip(s)`` (a Linear of the mirrored encoder output, no decay), then
-  ``x <- s0 x + g_msa * Attn(mod(LN(x))); x <- s1 x + g_mlp * MLP(mod(LN(x)))`` with the adaLN
+  ``x <- a0 x + g_msa * Attn(mod(LN(x))); x <- a1 x + g_mlp * MLP(mod(LN(x)))`` (each through
+  ``residual.update``, which also scales the gated branch by its ``branch_scale``) with the adaLN
   output of ``SiLU(c)`` chunked as (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp).
   LN has no affine parameters; GELU is the tanh form; adaLN is zero-initialised.
 
-  ``xs`` is ``alpha`` for encoder blocks and ``(alpha, s)`` for decoder blocks; ``c`` is ``(N, C)``.
+  ``xs`` is ``alpha (2,)`` for encoder blocks and ``(alpha, s)`` for decoder blocks; ``x, s`` are
+  ``(N, T, C)``, ``c`` is ``(N, C)``; the output is ``(N, T, C)``.
   """
   num_heads: int
   mlp_ratio: float = 4.0
   has_skip: bool = False
-  branch_scale: float = 1.0
+  residual: Residual = Residual()
   dtype: Dtype = jnp.float32
   attention_impl: Optional[str] = None
 
@@ -124,9 +125,9 @@ class SiTBlock(nn.Module):
     h = modulate(layers.layer_norm("norm1", affine=False)(x), shift_msa, scale_msa)
     h = layers.Attention(self.num_heads, self.dtype, implementation=self.attention_impl,
                          name="attn")(h)
-    x = decayed_update(x, alpha[0], gate_msa[:, None, :] * h, self.branch_scale)
+    x = self.residual.update(x, alpha[0], gate_msa[:, None, :] * h)
     h = modulate(layers.layer_norm("norm2", affine=False)(x), shift_mlp, scale_mlp)
     h = layers.Mlp(int(dim * self.mlp_ratio), approximate_gelu=True, dtype=self.dtype,
                    name="mlp")(h)
-    x = decayed_update(x, alpha[1], gate_mlp[:, None, :] * h, self.branch_scale)
+    x = self.residual.update(x, alpha[1], gate_mlp[:, None, :] * h)
     return x, x

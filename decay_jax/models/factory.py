@@ -1,14 +1,16 @@
 """Models from configs and from their saved fields: the one place that maps names to classes.
 
-``build_model(config, info)`` turns a training config's ``model`` section into a Flax module;
-``model_fields`` / ``model_from_fields`` round-trip a module through JSON (``model.json`` beside
-every params directory). The decay schedule is rebuilt from ``alpha_min`` and friends; it is never
-stored.
+``build_model(config, info)`` turns a training config's ``model`` section into a Flax module
+through ``BUILDERS``, the table from task name to builder; ``model_fields`` / ``model_from_fields``
+round-trip a module through JSON (``model.json`` beside every params directory). The residual
+spec (``residual.Residual``) is written as its flat fields (``alpha_min``, ``schedule_convention``,
+...), as configs spell them; the decay schedule is rebuilt from them, it is never stored.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, Dict
 
 import jax.numpy as jnp
 
@@ -19,22 +21,61 @@ from decay_jax.models import sit as sit_lib
 from decay_jax.models import uvit as uvit_lib
 from decay_jax.models import vit as vit_lib
 from decay_jax.models import vae as vae_lib
+from decay_jax.models.residual import Residual
 
 MODEL_CLASSES = {"MaskedAutoencoder": mae_lib.MaskedAutoencoder, "SiT": sit_lib.SiT,
                  "AutoencoderKL": vae_lib.AutoencoderKL,
                  "FIDInceptionV3": inception_lib.FIDInceptionV3,
                  "ViTClassifier": vit_lib.ViTClassifier, "UViT": uvit_lib.UViT}
-TASKS = ("mae", "sit", "finetune", "uvit")
+
+
+def _mae(config, info, preset, residual, m, pretrained):
+  del config, pretrained
+  return mae_lib.mae(preset, img_size=info["image_size"], in_chans=info["channels"],
+                     residual=residual, **m)
+
+
+def _sit(config, info, preset, residual, m, pretrained):
+  del config, pretrained
+  return sit_lib.sit(preset, input_size=info["image_size"], in_channels=info["channels"],
+                     residual=residual, **m)
+
+
+def _uvit(config, info, preset, residual, m, pretrained):
+  """The data's classes, plus the null label when labels are dropped."""
+  del pretrained
+  classes = info["num_classes"] + (config.diffusion.class_dropout_prob > 0)
+  num_classes = classes if m.pop("conditional") else -1
+  return uvit_lib.uvit(preset, img_size=info["image_size"], in_chans=info["channels"],
+                       num_classes=num_classes, residual=residual, **m)
+
+
+def _finetune(config, info, preset, residual, m, pretrained):
+  """Over ``pretrained``'s encoder (its sizes and its residual spec object), else ``preset``'s."""
+  del config
+  run = dict(drop_path=m["drop_path"], dtype=m["dtype"], attention_impl=m["attention_impl"],
+             remat_policy=m["remat_policy"], img_size=info["image_size"])
+  if pretrained is None:
+    return vit_lib.vit(preset, info["num_classes"], in_chans=info["channels"], residual=residual,
+                       **run)
+  return vit_lib.from_mae(pretrained, info["num_classes"], **run)
+
+
+# Task name -> builder(config, info, preset, residual spec, other model fields, pretrained).
+BUILDERS: Dict[str, Callable] = {"mae": _mae, "sit": _sit, "finetune": _finetune, "uvit": _uvit}
 
 
 def build_model(config, info: dict, pretrained=None):
   """The Flax model of a config; image size and channels come from the data (``info``).
 
-  Fine-tuning: the classifier over ``pretrained`` (an MAE: its sizes and decay schedule) with the
-  data's classes, or over ``model.preset``'s encoder without one. The model checks its own fields;
-  their errors name the field from the config root (``model.alpha_min=...``).
+  The config's flat residual fields (``model.alpha_min`` ...; the configs hold all of them, see
+  ``train.config``) become one ``Residual``, passed to the builder of ``config.task``
+  (``BUILDERS``). Fine-tuning: the classifier over ``pretrained``
+  (an MAE: its sizes and its ``residual``) with the data's classes, or over ``model.preset``'s
+  encoder without one. The model checks its own fields; their errors name the field from the
+  config root (``model.alpha_min=...``).
   """
-  validate.check_choice("task", config.task, TASKS)
+  validate.check_choice("task", config.task, tuple(BUILDERS))
   m = config.model.to_dict()
   preset = m.pop("preset")
   m["attention_impl"] = m["attention_impl"] or None
@@ -43,48 +84,42 @@ def build_model(config, info: dict, pretrained=None):
                                f"it has {info['channels']} channels; the pre-trained encoder "
                                f"takes {pretrained.in_chans}")
   try:
-    if config.task == "finetune":
-      run = dict(drop_path=m["drop_path"], dtype=m["dtype"], attention_impl=m["attention_impl"],
-                 remat_policy=m["remat_policy"], img_size=info["image_size"])
-      if pretrained is None:
-        decay = {k: m[k] for k in ("alpha_min", "schedule_convention", "schedule_shape",
-                                   "shortcut_form")}
-        return vit_lib.vit(preset, info["num_classes"], in_chans=info["channels"], **decay, **run)
-      return vit_lib.from_mae(pretrained, info["num_classes"], **run)
-    if config.task == "mae":
-      m.update(img_size=info["image_size"], in_chans=info["channels"])
-      return mae_lib.mae(preset, **m)
-    if config.task == "uvit":  # the data's classes, plus the null label when labels are dropped
-      classes = info["num_classes"] + (config.diffusion.class_dropout_prob > 0)
-      m.update(img_size=info["image_size"], in_chans=info["channels"],
-               num_classes=classes if m.pop("conditional") else -1)
-      return uvit_lib.uvit(preset, **m)
-    m.update(input_size=info["image_size"], in_channels=info["channels"])
-    return sit_lib.sit(preset, **m)
+    residual, m = Residual.from_fields(m)
+    return BUILDERS[config.task](config, info, preset, residual, m, pretrained)
   except ValueError as e:
     raise validate.prefixed("model.", e) from None
 
 
 def model_fields(model) -> dict:
-  """The dataclass fields of a model as JSON-able values (dtype by name)."""
+  """The dataclass fields of a model as JSON-able values (dtype by name), the ``residual`` spec as
+  its flat fields in its place (``alpha_min``, ``schedule_convention``, ...)."""
   out = {}
   for f in dataclasses.fields(model):
     if f.name in ("parent", "name"):
       continue
     v = getattr(model, f.name)
-    out[f.name] = jnp.dtype(v).name if f.name == "dtype" else v
+    if isinstance(v, Residual):
+      out.update(v.fields())
+    else:
+      out[f.name] = jnp.dtype(v).name if f.name == "dtype" else v
   return out
 
 
 def model_from_fields(kind: str, fields: dict):
-  """The model of class name ``kind`` with ``fields`` (as written by ``model_fields``)."""
+  """The model of class name ``kind`` with ``fields`` (as written by ``model_fields``: flat
+  residual fields; a nested ``residual`` dict is read too). Residual fields a file lacks take the
+  class's defaults."""
   validate.check_choice("model class", kind, sorted(MODEL_CLASSES))
+  cls = MODEL_CLASSES[kind]
   fields = dict(fields)
   if "dtype" in fields:
     fields["dtype"] = jnp.dtype(fields["dtype"])
   if fields.get("attention_impl") == "cudnn":  # trained on a GPU: here the choice is made again
     fields["attention_impl"] = None
-  return MODEL_CLASSES[kind](**fields)
+  if "residual" in cls.__dataclass_fields__:
+    residual, fields = Residual.from_fields(fields, cls.__dataclass_fields__["residual"].default)
+    fields["residual"] = residual
+  return cls(**fields)
 
 
 def summary(model) -> dict:

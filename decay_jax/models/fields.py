@@ -1,4 +1,7 @@
-"""Validation and preset helpers shared by the model classes: one-line errors before compilation."""
+"""Validation and preset helpers shared by the model classes: one-line errors before compilation.
+
+The residual fields and their checks are in ``decay_jax.models.residual``.
+"""
 
 from __future__ import annotations
 
@@ -8,19 +11,9 @@ from typing import Callable
 import jax.numpy as jnp
 
 from decay_jax import validate
-from decay_jax.models import layers, schedules
+from decay_jax.models import layers, residual
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-
-
-class DecayedShortcuts:
-  """Mixin of the decayed models: ``shortcuts``, the identity coefficients rebuilt from the fields
-  ``depth``, ``alpha_min``, ``schedule_convention``, ``schedule_shape``, ``shortcut_form``."""
-
-  @property
-  def shortcuts(self) -> schedules.Shortcuts:
-    return schedules.shortcuts(self.depth, self.alpha_min, self.schedule_convention,
-                               self.schedule_shape, self.shortcut_form)
 
 
 class PatchGrid:
@@ -48,12 +41,8 @@ def check_patches(m) -> None:
                      f"patch_size={m.patch_size}")
 
 
-def check_common(m) -> None:
-  """Fields every decayed model has: the schedule, the shortcut form, dtype, attention, remat."""
-  validate.check_range("alpha_min", m.alpha_min, 0.0, 1.0, low_open=True)
-  validate.check_choice("schedule_convention", m.schedule_convention, schedules.CONVENTIONS)
-  validate.check_choice("schedule_shape", m.schedule_shape, schedules.SHAPES)
-  validate.check_choice("shortcut_form", m.shortcut_form, schedules.FORMS)
+def check_execution(m) -> None:
+  """The execution fields of the transformer models: compute dtype, attention kernel, remat."""
   validate.check_choice("attention_impl", m.attention_impl, layers.ATTENTION_IMPLS)
   validate.check_choice("remat_policy", m.remat_policy, layers.REMAT_POLICIES)
   try:
@@ -83,10 +72,21 @@ def check_once(m, check: Callable) -> None:
 
 
 def from_preset(cls, presets: dict, preset: str, overrides: dict):
-  """``cls(**presets[preset], **overrides)`` with one-line errors for unknown names."""
+  """``cls(**presets[preset], **overrides)`` with one-line errors for unknown names.
+
+  A class with a ``residual`` field also takes its flat fields (``alpha_min=0.7``), set on the
+  ``residual`` given or on the class default (``residual.Residual.from_fields``).
+  """
   validate.check_choice("preset", preset, tuple(presets))
   fields = {f.name for f in dataclasses.fields(cls)} - {"parent", "name"}
+  if "residual" in fields:
+    fields |= set(residual.NAMES)
   unknown = sorted(set(overrides) - fields)
   if unknown:
     raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; allowed: {sorted(fields)}")
-  return cls(**{**presets[preset], **overrides})
+  kwargs = {**presets[preset], **overrides}
+  if "residual" in fields:
+    default = cls.__dataclass_fields__["residual"].default
+    spec, kwargs = residual.Residual.from_fields(kwargs, default)
+    kwargs["residual"] = spec
+  return cls(**kwargs)

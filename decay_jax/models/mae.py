@@ -23,10 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decay_jax.models import layers
-from decay_jax.models.layers import Dtype
-from decay_jax.models import fields
+from decay_jax.models import fields, layers
+from decay_jax.models import residual as residual_lib
 from decay_jax.models.blocks import MAEBlock
+from decay_jax.models.layers import Dtype
+from decay_jax.models.residual import Residual
 
 
 class SkipLayer(nn.Module):
@@ -80,12 +81,13 @@ def norm_pix_target(target):
   return (target - mean) / (var + 1.0e-6) ** 0.5
 
 
-class MaskedAutoencoder(fields.DecayedShortcuts, fields.PatchGrid, nn.Module):
+class MaskedAutoencoder(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
   """The official decayed-shortcut MAE (``MaskedAutoencoderViT`` of models_mae.py).
 
-  Decay fields: ``alpha_min`` (1 = the standard residual network), ``schedule_convention``
-  ('sublayer' official / 'block' paper), ``schedule_shape`` ('linear' / 'cosine'),
-  ``shortcut_form`` (see ``decay_jax.models.schedules.FORMS``). The schedule is a module constant.
+  ``residual`` (``residual.Residual``; default ``alpha_min=1``, the standard residual network) is
+  the update of every encoder sublayer, ``x <- alpha_k x + f_k(x)`` over ``k = 0 .. 2 depth - 1``;
+  the coefficients ``alpha (depth, 2)`` are a module constant (a parameter ``alpha`` for
+  ``shortcut_form='learnable'``). The decoder blocks are plain ``x + f(x)``.
   """
   img_size: int = 224
   patch_size: int = 16
@@ -99,10 +101,7 @@ class MaskedAutoencoder(fields.DecayedShortcuts, fields.PatchGrid, nn.Module):
   mlp_ratio: float = 4.0
   norm_pix_loss: bool = True
   mask_ratio: float = 0.75
-  alpha_min: float = 1.0
-  schedule_convention: str = "sublayer"
-  schedule_shape: str = "linear"
-  shortcut_form: str = "decay"
+  residual: Residual = Residual()
   dtype: Dtype = jnp.float32
   attention_impl: Optional[str] = None
   remat_policy: str = "none"
@@ -128,25 +127,23 @@ class MaskedAutoencoder(fields.DecayedShortcuts, fields.PatchGrid, nn.Module):
 
   # ----- modules ---------------------------------------------------------------------------------
   def setup(self):
-    sc = self.shortcuts
     self.patch_embed = layers.PatchEmbed(
         self.dim, self.patch_size, dtype=self.dtype,
         bias_init=layers.torch_conv_bias_init(self.in_chans * self.patch_size ** 2))
     self.cls_token = self.param("cls_token", layers.normal(0.02), (1, 1, self.dim))
     self.decoder_cls_token = self.param("decoder_cls_token", layers.normal(0.02),
                                         (1, 1, self.decoder_dim))
-    if sc.learnable:
-      self.alpha = self.param("alpha", lambda _: jnp.asarray(sc.alphas, jnp.float32))
-    else:
-      self.alpha = jnp.asarray(sc.alphas, jnp.float32)
+    self.alpha = self.residual.coefficients(self, self.depth)  # (depth, 2)
     self.blocks = layers.scan_blocks(MAEBlock, self.depth, in_axes=0,
                                      remat_policy=self.remat_policy)(
-        self.num_heads, self.mlp_ratio, sc.branch_scale, self.dtype, self.attention_impl)
+        num_heads=self.num_heads, mlp_ratio=self.mlp_ratio, residual=self.residual,
+        dtype=self.dtype, attention_impl=self.attention_impl)
     self.skip = [SkipLayer(self.dtype) for k in range(self.num_skip_layers)]
     self.decoder_embed = nn.Dense(self.decoder_dim, dtype=self.dtype,
                                   kernel_init=layers.xavier_uniform, bias_init=layers.zeros)
-    self.decoder_blocks = [
-        MAEBlock(self.decoder_num_heads, self.mlp_ratio, 1.0, self.dtype, self.attention_impl)
+    self.decoder_blocks = [  # plain residual blocks: Residual() with alpha (1, 1)
+        MAEBlock(num_heads=self.decoder_num_heads, mlp_ratio=self.mlp_ratio, residual=Residual(),
+                 dtype=self.dtype, attention_impl=self.attention_impl)
         for _ in range(self.decoder_depth)]
     self.decoder_norm = layers.layer_norm()
     self.decoder_pred = nn.Dense(self.patch_size ** 2 * self.in_chans, dtype=self.dtype,
@@ -238,7 +235,8 @@ def validate_mae_fields(m) -> None:
     raise ValueError(f"mask_ratio={m.mask_ratio!r} is not allowed; it must be in [0, 1)")
   if m.depth < 2:
     raise ValueError(f"depth={m.depth} is not allowed; the skip layers need depth >= 2")
-  fields.check_common(m)
+  residual_lib.check_field(m)
+  fields.check_execution(m)
 
 
 # Presets: (patch, dim, depth, heads, decoder dim, decoder depth, decoder heads). The official three

@@ -62,14 +62,13 @@ by term, so it adds ``O(|U| N T)`` scalars (logits, weights), not copies of ``(N
 The price is compile time growing with depth (docs/performance.md). ``none`` keeps the scanned blocks.
 
 **Heat-map.** With ``'intermediates'`` mutable each routed sublayer sows its weights averaged over
-tokens, ``(N, |U|)``; ``routing_weights`` collects them and ``heatmap`` draws rows = sublayers,
+tokens, ``(N, |U|)``; ``routing_weights`` collects them and ``plots.weight_heatmap`` draws rows = sublayers,
 columns = candidates, one panel per time ``t``.
 """
 
 from __future__ import annotations
 
 import functools
-import io
 import math
 from typing import List, Optional, Sequence, Tuple
 
@@ -80,8 +79,9 @@ import numpy as np
 
 from decay_jax import validate
 from decay_jax.models import layers
+from decay_jax.models.blocks import modulate
 from decay_jax.models.layers import Dtype
-from decay_jax.models.blocks import decayed_update, modulate
+from decay_jax.models.residual import Residual
 
 VARIANTS = ("none", "plain", "static_skip", "mirror", "fused_mirror", "fused_all", "fused_first",
             "fused_last", "attnres")
@@ -147,11 +147,13 @@ class RoutedSiTBlock(nn.Module):
   ``None``. ``routed``: ``x~ = R([x, *sources])`` before both sublayers (``route_attn``,
   ``route_mlp``: ``(d,)`` each). ``skip``: U-ViT's ``x <- Linear([x; sources[0]])`` first.
   ``attnres``: ``x`` is unused, ``sources`` are the values ``v_0..v_{l-1}``, and the block returns
-  its two new values ``(v_attn, v_mlp)`` (spec 6.1); otherwise it returns the new stream.
+  its two new values ``(v_attn, v_mlp)`` (spec 6.1); otherwise it returns the new stream
+  ``(N, T, d)``. Each sublayer's update is ``residual.update``: ``x <- a x~ + s g f(x~)``, with
+  ``a = 1`` where the decay mode already decayed inside the routing.
   """
   num_heads: int
   mlp_ratio: float = 4.0
-  branch_scale: float = 1.0
+  residual: Residual = Residual()
   dtype: Dtype = jnp.float32
   attention_impl: Optional[str] = None
   routed: bool = False
@@ -168,7 +170,7 @@ class RoutedSiTBlock(nn.Module):
     return out
 
   def _branch(self, i: int, h, mod):
-    """Gated sublayer output ``g_i * f_i(mod(LN(h)))`` (before ``branch_scale``)."""
+    """Gated sublayer output ``g_i * f_i(mod(LN(h)))`` (before the residual's ``branch_scale``)."""
     dim = h.shape[-1]
     shift, scale, gate = mod[3 * i], mod[3 * i + 1], mod[3 * i + 2]
     h = modulate(layers.layer_norm(f"norm{i + 1}", affine=False)(h), shift, scale)
@@ -190,7 +192,7 @@ class RoutedSiTBlock(nn.Module):
       values = list(sources)
       for i in range(2):
         h = self._route(i, values, None)
-        values.append(self.branch_scale * self._branch(i, h, mod).astype(jnp.float32))
+        values.append(self.residual.scale_branch(self._branch(i, h, mod).astype(jnp.float32)))
       return values[-2], values[-1]
     if self.skip:
       x = nn.Dense(dim, dtype=self.dtype, kernel_init=nn.initializers.truncated_normal(0.02),
@@ -202,34 +204,33 @@ class RoutedSiTBlock(nn.Module):
         x = self._route(i, [a * x if self.decay == "current" else x, *sources], nulls[i])
         if self.decay in ("current", "null"):
           a = 1.0  # the decay already acted inside the routing
-      x = decayed_update(x, a, self._branch(i, x, mod), self.branch_scale)
+      x = self.residual.update(x, a, self._branch(i, x, mod))
     return x
 
 
 class RoutedTrunk(nn.Module):
   """The ``depth`` blocks of a SiT with ``residual_routing`` other than 'none', unrolled.
 
-  ``__call__(x0, alpha, c)``: ``x0 (N, T, d)`` embedded tokens, ``alpha (depth, 2)``, ``c (N, d)``;
-  returns the stream that enters the final layer. ``alphas`` is the constant schedule, used only by
-  decay mode 'null' for its logit priors.
+  ``__call__(x0, alpha, c)``: ``x0 (N, T, d)`` embedded tokens, ``alpha (depth, 2)`` (the model's
+  ``residual.coefficients``), ``c (N, d)``; returns the stream ``(N, T, d)`` that enters the final
+  layer. ``residual`` is the blocks' update; its constant schedule ``residual.shortcuts(depth)``
+  also gives decay mode 'null' its logit priors.
   """
   depth: int
   num_heads: int
   mlp_ratio: float = 4.0
   variant: str = "mirror"
   decay: str = "after"
-  branch_scale: float = 1.0
+  residual: Residual = Residual()
   dtype: Dtype = jnp.float32
   attention_impl: Optional[str] = None
   remat_policy: str = "none"
-  alphas: Tuple[Tuple[float, float], ...] = ()
 
   @nn.compact
   def __call__(self, x0, alpha, c):
     block = layers.remat(RoutedSiTBlock, self.remat_policy)
-    common = dict(num_heads=self.num_heads, mlp_ratio=self.mlp_ratio,
-                  branch_scale=self.branch_scale, dtype=self.dtype,
-                  attention_impl=self.attention_impl, decay=self.decay)
+    common = dict(num_heads=self.num_heads, mlp_ratio=self.mlp_ratio, residual=self.residual,
+                  dtype=self.dtype, attention_impl=self.attention_impl, decay=self.decay)
     if self.variant == "attnres":
       values = [x0]
       for b in range(self.depth):
@@ -242,6 +243,7 @@ class RoutedTrunk(nn.Module):
       return out
     half = self.depth // 2
     plan = block_sources(self.variant, self.depth)
+    alphas = self.residual.shortcuts(self.depth).alphas  # float64 (depth, 2), for 'null' priors
     xs, x = [x0], x0
     for b, srcs in enumerate(plan):
       dec = b >= half
@@ -250,7 +252,7 @@ class RoutedTrunk(nn.Module):
            else alpha[b])
       nulls = (None, None)
       if srcs is not None and self.decay == "null":
-        nulls = tuple(null_logit(self.alphas[b][i], 1 + len(srcs)) for i in range(2))
+        nulls = tuple(null_logit(float(alphas[b][i]), 1 + len(srcs)) for i in range(2))
       skip = self.variant == "static_skip" and dec
       sources = (tuple(xs[i] for i in srcs) if srcs is not None
                  else (xs[mirror_source(b - half + 1, half)],) if skip else ())
@@ -269,13 +271,14 @@ def check_fields(m) -> None:
   """One-line errors for the routing fields of a SiT ``m``."""
   validate.check_choice("residual_routing", m.residual_routing, VARIANTS)
   validate.check_choice("routing_decay", m.routing_decay, DECAY_MODES)
-  if m.residual_routing == "attnres" and (m.alpha_min != 1.0 or m.shortcut_form != "decay"):
+  res = m.residual
+  if m.residual_routing == "attnres" and (res.alpha_min != 1.0 or res.shortcut_form != "decay"):
     raise ValueError(f"residual_routing='attnres' has no identity shortcut to decay; it needs "
-                     f"alpha_min=1 and shortcut_form='decay' (got {m.alpha_min}, "
-                     f"{m.shortcut_form!r})")
-  if m.routing_decay == "null" and m.shortcut_form != "decay":
+                     f"alpha_min=1 and shortcut_form='decay' (got {res.alpha_min}, "
+                     f"{res.shortcut_form!r})")
+  if m.routing_decay == "null" and res.shortcut_form != "decay":
     raise ValueError(f"routing_decay='null' needs constant coefficients: shortcut_form='decay' "
-                     f"(got {m.shortcut_form!r})")
+                     f"(got {res.shortcut_form!r})")
 
 
 def candidate_counts(variant: str, depth: int) -> List[int]:
@@ -353,70 +356,3 @@ def weights_from_state(model, state) -> List[Tuple[str, List[str], np.ndarray]]:
     w = np.asarray(node[name][0]).mean(axis=0)
     out.append((label, cols, np.pad(w, (0, len(cols) - w.shape[0]))))
   return out
-
-
-def heatmap(panels, title: str = "") -> np.ndarray:
-  """uint8 RGB picture of routing weights: one panel per ``(panel title, routing_weights(...))``;
-  rows are sublayers, columns the candidates any sublayer uses, blank where not a candidate."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  from PIL import Image
-
-  rows = panels[0][1]
-  cols = []
-  for _, c, _ in rows:
-    cols += [k for k in c if k not in cols]
-  order = {"x": -2, "null": 10 ** 6}
-  cols.sort(key=lambda k: order.get(k, int(k[1:]) if k[1:].isdigit() else 0))
-  fig, axes = plt.subplots(1, len(panels), figsize=(1.2 + 0.42 * len(cols) * len(panels),
-                                                    1.4 + 0.26 * len(rows)), squeeze=False)
-  for p, (ax, (ptitle, weights)) in enumerate(zip(axes[0], panels)):
-    mat = np.full((len(rows), len(cols)), np.nan)
-    for r, (_, c, w) in enumerate(weights):
-      for k, v in zip(c, w):
-        mat[r, cols.index(k)] = v
-    im = ax.imshow(mat, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
-    ax.set_xticks(range(len(cols)), cols, fontsize=7, rotation=90 if len(cols) > 12 else 0)
-    ax.set_yticks(range(len(rows)), [r[0] for r in rows] if p == 0 else [], fontsize=7)
-    ax.set_title(ptitle, fontsize=8)
-    if len(cols) <= 16:
-      for (r, k), v in np.ndenumerate(mat):
-        if np.isfinite(v):
-          ax.text(k, r, f"{v:.2f}", ha="center", va="center", fontsize=5,
-                  color="white" if v < 0.6 else "black")
-  fig.colorbar(im, ax=axes[0].tolist(), fraction=0.03)
-  if title:
-    fig.suptitle(title, fontsize=9)
-  buf = io.BytesIO()
-  fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-  plt.close(fig)
-  return np.asarray(Image.open(buf).convert("RGB"))
-
-
-def side_by_side(left: np.ndarray, right: np.ndarray, pad: int = 8) -> np.ndarray:
-  """Two uint8 pictures in one, the left one enlarged (nearest) towards the right one's height."""
-  scale = max(1, right.shape[0] // left.shape[0])
-  left = np.repeat(np.repeat(left, scale, axis=0), scale, axis=1)
-  h = max(left.shape[0], right.shape[0])
-  canvas = np.full((h, left.shape[1] + pad + right.shape[1], 3), 255, np.uint8)
-  canvas[:left.shape[0], :left.shape[1]] = left
-  canvas[:right.shape[0], left.shape[1] + pad:] = right
-  return canvas
-
-
-def routing_picture(model, params, transport, images, labels, rng,
-                    times: Sequence[float] = (0.1, 0.5, 0.9)) -> np.ndarray:
-  """Heat-map of the mean routing weights on ``x_t`` of ``images (N, H, W, C)`` (data, t = 1) and
-  fresh noise at each of ``times``, labels ``(N,)``."""
-  noise = jax.random.normal(rng, images.shape)
-  fn = jax.jit(lambda p, x, t, y: model.apply({"params": p}, x, t, y, mutable=["intermediates"])[1])
-  panels = []
-  for tv in times:
-    t = jnp.full((images.shape[0],), tv, jnp.float32)
-    _, xt, _ = transport.plan(images, noise, t)
-    panels.append((f"t = {tv:g}", weights_from_state(model, fn(params, xt, t, labels))))
-  return heatmap(panels, f"routing weights: {model.residual_routing}"
-                 + (f", decay {model.routing_decay} (alpha_min {model.alpha_min:g})"
-                    if model.alpha_min < 1 else ""))
-

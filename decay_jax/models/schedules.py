@@ -35,23 +35,18 @@ Shortcut forms (``form=``): the ablations of the paper.
 ``alpha_eff`` is the product of all identity coefficients: the weight with which the block input
 reaches the output along the pure identity path.
 
-Command line::
-
-    python -m decay_jax.models.schedules --depth 12 --alpha-min 0.6 [--convention block] [--plot out.png]
+The command ``python -m decay_jax.cli.schedules`` prints and plots a schedule.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import io
 import math
-import sys
-from typing import Sequence
 
 import numpy as np
 
-from decay_jax import paths, validate
+from decay_jax import validate
 
 CONVENTIONS = ("sublayer", "block")
 SHAPES = ("linear", "cosine")
@@ -119,7 +114,7 @@ def shortcuts(depth: int, alpha_min: float, convention: str = "sublayer", shape:
   alphas = decay_schedule(depth, alpha_min, convention, shape)
   if form in UNSCHEDULED_FORMS:
     identity = SQRT_HALF if form == "sqrt_half_both" else 1.0
-    return Shortcuts(_frozen(np.full((depth, 2), identity)), branch_scale=SQRT_HALF)
+    return Shortcuts(_frozen(np.full((depth, 2), identity)), branch_scale=branch_scale(form))
   if form == "attn_only":
     alphas = alphas.copy()
     alphas[:, 1] = 1.0
@@ -127,6 +122,12 @@ def shortcuts(depth: int, alpha_min: float, convention: str = "sublayer", shape:
     alphas = alphas.copy()
     alphas[:, 0] = 1.0
   return Shortcuts(_frozen(alphas), learnable=(form == "learnable"))
+
+
+def branch_scale(form: str) -> float:
+  """The factor on the branch ``f(x)`` of shortcut form ``form``: sqrt(1/2) for the
+  ``sqrt_half_*`` controls, 1 otherwise."""
+  return SQRT_HALF if form in UNSCHEDULED_FORMS else 1.0
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -161,91 +162,3 @@ def alpha_min_for(target_alpha_eff: float, depth: int, convention: str = "sublay
     else:
       hi = mid
   return 0.5 * (lo + hi)
-
-
-# ------------------------------------------------------------------------------------------------
-# Command line: print the per-block table and alpha_eff, optionally plot the schedule.
-# ------------------------------------------------------------------------------------------------
-
-
-def format_table(sc: Shortcuts) -> str:
-  lines = [f"{'block':>5}  {'alpha_attn':>10}  {'alpha_mlp':>10}  {'block product':>13}  "
-           f"{'cumulative':>10}"]
-  cum = 1.0
-  for l, (a0, a1) in enumerate(sc.alphas):
-    cum *= a0 * a1
-    lines.append(f"{l:>5}  {a0:>10.6f}  {a1:>10.6f}  {a0 * a1:>13.6f}  {cum:>10.6f}")
-  if sc.branch_scale != 1.0:
-    lines.append(f"branch scale on f(x): {sc.branch_scale:.6f}")
-  lines.append(f"alpha_eff (product of all {sc.alphas.size} coefficients) = {sc.alpha_eff:.6g}")
-  return "\n".join(lines)
-
-
-def plot(sc: Shortcuts, path: str, title: str) -> None:
-  """Writes a PNG with the coefficient of every sublayer and the cumulative product."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  flat = sc.alphas.reshape(-1)
-  k = np.arange(flat.size)
-  fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(10, 3.6))
-  ax0.step(k, flat, where="mid", color="tab:blue")
-  ax0.plot(k[0::2], flat[0::2], "o", ms=4, label="attention identity")
-  ax0.plot(k[1::2], flat[1::2], "s", ms=4, label="MLP identity")
-  ax0.set_xlabel("sublayer k (block = k // 2)")
-  ax0.set_ylabel("alpha_k")
-  ax0.set_ylim(min(0.0, flat.min() - 0.05), 1.05)
-  ax0.legend(loc="lower left")
-  ax0.grid(alpha=0.3)
-  ax1.semilogy(k, np.cumprod(flat), color="tab:red")
-  ax1.set_xlabel("sublayer k")
-  ax1.set_ylabel("cumulative product (identity path weight)")
-  ax1.grid(alpha=0.3, which="both")
-  fig.suptitle(f"{title}   alpha_eff = {sc.alpha_eff:.4g}")
-  fig.tight_layout()
-  buf = io.BytesIO()
-  fig.savefig(buf, format="png", dpi=120)
-  plt.close(fig)
-  paths.write_bytes(path, buf.getvalue())
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  p = validate.ArgumentParser(prog="python -m decay_jax.models.schedules", description=__doc__.split("\n")[0])
-  p.add_argument("--depth", type=int, default=12, help="number of transformer blocks")
-  p.add_argument("--alpha-min", type=float, default=None, help="last coefficient (default 0.7)")
-  p.add_argument("--target-alpha-eff", type=float, default=None,
-                 help="instead of --alpha-min: solve for the alpha_min giving this alpha_eff")
-  p.add_argument("--convention", choices=CONVENTIONS, default="sublayer")
-  p.add_argument("--shape", choices=SHAPES, default="linear")
-  p.add_argument("--form", choices=FORMS, default="decay")
-  p.add_argument("--plot", default=None, metavar="PNG", help="write a plot of the schedule here")
-  args = p.parse_args(argv)
-  try:
-    if args.target_alpha_eff is not None:
-      if args.alpha_min is not None:
-        raise ValueError("give either --alpha-min or --target-alpha-eff, not both")
-      alpha_min = alpha_min_for(args.target_alpha_eff, args.depth, args.convention, args.shape)
-      print(f"alpha_min = {alpha_min:.6f} gives alpha_eff = {args.target_alpha_eff:g}")
-    else:
-      alpha_min = 0.7 if args.alpha_min is None else args.alpha_min
-    sc = shortcuts(args.depth, alpha_min, args.convention, args.shape, args.form)
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  title = (f"depth {args.depth}, alpha_min {alpha_min:g}, {args.convention}, {args.shape}, "
-           f"{args.form}")
-  print(title)
-  print(format_table(sc))
-  if args.plot:
-    plot(sc, args.plot, title)
-    print(f"wrote {args.plot}")
-  return 0
-
-
-def run():
-  sys.exit(main())
-
-
-if __name__ == "__main__":
-  run()

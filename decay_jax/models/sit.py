@@ -19,10 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decay_jax.models import layers
-from decay_jax.models.layers import Dtype
-from decay_jax.models import fields, routing
+from decay_jax.models import fields, layers, routing
+from decay_jax.models import residual as residual_lib
 from decay_jax.models.blocks import SiTBlock, modulate
+from decay_jax.models.layers import Dtype
+from decay_jax.models.residual import Residual
 
 
 def timestep_frequencies(t, dim: int = 256, max_period: float = 10000.0):
@@ -46,8 +47,12 @@ class TimestepEmbedder(nn.Module):
                     bias_init=layers.zeros, name="mlp2")(nn.silu(h))
 
 
-class SiT(fields.DecayedShortcuts, nn.Module):
+class SiT(residual_lib.HasResidual, nn.Module):
   """The official decayed SiT (``SiT`` of SiT/models.py) with ``learn_sigma`` handling.
+
+  ``residual`` (``residual.Residual``, default ``alpha_min=0.8``, the official ``min_sigma``) is
+  the update ``x <- alpha_k x + g_k f_k(x)`` of every sublayer ``k`` of the encoder, then the
+  decoder half; ``alpha (depth, 2)`` is a module constant (a parameter ``alpha`` when learnable).
 
   With ``learn_sigma`` the final Linear has ``2C`` outputs per pixel (the official parameter shape,
   so checkpoints convert 1:1) and only the first ``C`` are returned, as the official forward does.
@@ -64,10 +69,7 @@ class SiT(fields.DecayedShortcuts, nn.Module):
   num_classes: int = 1000
   class_dropout_prob: float = 0.1
   learn_sigma: bool = True
-  alpha_min: float = 0.8
-  schedule_convention: str = "sublayer"
-  schedule_shape: str = "linear"
-  shortcut_form: str = "decay"
+  residual: Residual = Residual(alpha_min=0.8)
   dtype: Dtype = jnp.float32
   attention_impl: Optional[str] = None
   remat_policy: str = "none"
@@ -87,27 +89,24 @@ class SiT(fields.DecayedShortcuts, nn.Module):
     return self.input_size // self.patch_size
 
   def setup(self):
-    sc = self.shortcuts
     half = self.depth // 2
     self.x_embedder = layers.PatchEmbed(self.dim, self.patch_size, dtype=self.dtype)
     self.t_embedder = TimestepEmbedder(self.dim, self.dtype)
     self.y_embedder = nn.Embed(self.num_classes + int(self.class_dropout_prob > 0), self.dim,
                                embedding_init=layers.normal(0.02))
-    if sc.learnable:
-      self.alpha = self.param("alpha", lambda _: jnp.asarray(sc.alphas, jnp.float32))
-    else:
-      self.alpha = jnp.asarray(sc.alphas, jnp.float32)
+    self.alpha = self.residual.coefficients(self, self.depth)  # (depth, 2)
     if self.residual_routing != "none":
       self.trunk = routing.RoutedTrunk(
-          self.depth, self.num_heads, self.mlp_ratio, self.residual_routing, self.routing_decay,
-          sc.branch_scale, self.dtype, self.attention_impl, self.remat_policy,
-          tuple(map(tuple, sc.alphas.tolist())))
+          depth=self.depth, num_heads=self.num_heads, mlp_ratio=self.mlp_ratio,
+          variant=self.residual_routing, decay=self.routing_decay, residual=self.residual,
+          dtype=self.dtype, attention_impl=self.attention_impl, remat_policy=self.remat_policy)
     else:
-      common = (self.num_heads, self.mlp_ratio)
+      common = dict(num_heads=self.num_heads, mlp_ratio=self.mlp_ratio, residual=self.residual,
+                    dtype=self.dtype, attention_impl=self.attention_impl)
       self.enc_blocks = layers.scan_blocks(SiTBlock, half, (0, nn.broadcast), self.remat_policy)(
-          *common, False, sc.branch_scale, self.dtype, self.attention_impl)
+          has_skip=False, **common)
       self.dec_blocks = layers.scan_blocks(SiTBlock, half, (0, nn.broadcast), self.remat_policy)(
-          *common, True, sc.branch_scale, self.dtype, self.attention_impl)
+          has_skip=True, **common)
     self.final_adaLN = nn.Dense(2 * self.dim, dtype=self.dtype, kernel_init=layers.zeros,
                                 bias_init=layers.zeros)
     self.norm_final = layers.layer_norm(affine=False)
@@ -161,7 +160,8 @@ def validate_sit_fields(m) -> None:
     raise ValueError(f"dim={m.dim} must be divisible by num_heads={m.num_heads} and by 4")
   if not 0.0 <= m.class_dropout_prob < 1.0:
     raise ValueError(f"class_dropout_prob={m.class_dropout_prob!r} must be in [0, 1)")
-  fields.check_common(m)
+  residual_lib.check_field(m)
+  fields.check_execution(m)
   routing.check_fields(m)
 
 

@@ -16,16 +16,17 @@ Every block is pre-norm, block ``b`` (in0..in(K-1), mid, out0..out(K-1)) computi
     x <- alpha_{2b+1} x + MLP(LN2(x))
 
 with LayerNorm eps 1e-5 (torch default, not the 1e-6 of MAE/SiT), qkv without bias, exact-erf GELU.
-``alpha`` comes from ``decay_jax.models.schedules`` over the ``2K + 1`` blocks in the order above:
-module constants computed in Python, never parameters (unless ``shortcut_form='learnable'``). The
-skip Linear, the pos-embed add and everything outside the blocks are not decayed.
+The update is the model's ``residual`` spec (``decay_jax.models.residual``, default
+``alpha_min=0.7``; with its ``branch_scale`` on the branch for the sqrt(1/2) controls), ``alpha``
+its coefficients over the ``2K + 1`` blocks in the order above: module constants computed in
+Python, never parameters (unless ``shortcut_form='learnable'``). The skip Linear, the pos-embed add
+and everything outside the blocks are not decayed.
 
 Modes (``mode``):
   ``'uvit_original'``: alpha = 1 everywhere and U-ViT's init: bit for bit the baofff model
-      (parity tests, released checkpoints). The decay fields (``alpha_min``, ``schedule_*``,
-      ``shortcut_form``, ``zero_init_branches``) are not read in this mode.
-  ``'decayed'`` (default): the schedule of ``alpha_min`` / ``schedule_convention`` /
-      ``schedule_shape`` / ``shortcut_form``, and ``zero_init_branches``.
+      (parity tests, released checkpoints). ``residual`` and ``zero_init_branches`` are not read
+      in this mode: the blocks take the plain ``Residual()`` (``block_residual``).
+  ``'decayed'`` (default): the blocks take ``residual``; ``zero_init_branches`` sets their init.
 
 Choices where the sources are silent (the decayed paper ships no U-ViT code), docs/uvit.md 4.2:
   * [CHOICE] ``schedule_convention='sublayer'`` (default): one linear schedule over the
@@ -50,13 +51,14 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from decay_jax import validate
 from decay_jax.models import fields, layers, schedules
-from decay_jax.models.blocks import decayed_update, sow_branch_norms
+from decay_jax.models import residual as residual_lib
+from decay_jax.models.blocks import sow_branch_norms
 from decay_jax.models.layers import Dtype
+from decay_jax.models.residual import Residual
 from decay_jax.models.sit import timestep_frequencies
 
 MODES = ("decayed", "uvit_original")
@@ -95,16 +97,17 @@ class UViTBlock(nn.Module):
 
   ``xs`` is this block's ``alpha = (alpha_attn, alpha_mlp)``, or ``(alpha, s)`` when ``skip_mode``
   is 'concat' (``x <- skip_linear([x ; s])``, Linear(2D, D)) or 'add' (``x <- x + skip_linear(s)``,
-  Linear(D, D)); then ``x <- alpha_attn x + Attn(LN1 x)``, ``x <- alpha_mlp x + MLP(LN2 x)``.
-  ``x, s: (B, T, D)`` float32. With ``zero_init`` the ``attn.proj`` and ``mlp.fc2`` kernels start
-  at zero. With ``'intermediates'`` mutable it sows ``attn_norms`` / ``mlp_norms`` as ``MAEBlock``.
+  Linear(D, D)); then ``x <- alpha_attn x + Attn(LN1 x)``, ``x <- alpha_mlp x + MLP(LN2 x)``
+  (``residual.update``). ``x, s: (B, T, D)`` float32, ``alpha (2,)``; output ``(B, T, D)``. With
+  ``zero_init`` the ``attn.proj`` and ``mlp.fc2`` kernels start at zero. With ``'intermediates'``
+  mutable it sows ``attn_norms`` / ``mlp_norms`` as ``MAEBlock``.
   """
   num_heads: int
   mlp_ratio: float = 4.0
   qkv_bias: bool = False
   skip_mode: str = "none"
   zero_init: bool = False
-  branch_scale: float = 1.0
+  residual: Residual = Residual()
   dtype: Dtype = jnp.float32
   attention_impl: Optional[str] = None
 
@@ -123,22 +126,24 @@ class UViTBlock(nn.Module):
     h = layers.Attention(self.num_heads, self.dtype, last_init, self.attention_impl,
                          qkv_bias=self.qkv_bias, qkv_init=linear_init,
                          name="attn")(layer_norm("norm1")(x))
-    sow_branch_norms(self, "attn_norms", x, alpha[0], h, self.branch_scale)
-    x = decayed_update(x, alpha[0], h, self.branch_scale)
+    sow_branch_norms(self, "attn_norms", x, alpha[0], h, self.residual)
+    x = self.residual.update(x, alpha[0], h)
     h = layers.Mlp(int(d * self.mlp_ratio), approximate_gelu=False, dtype=self.dtype,
                    fc2_init=last_init, fc1_init=linear_init, name="mlp")(layer_norm("norm2")(x))
-    sow_branch_norms(self, "mlp_norms", x, alpha[1], h, self.branch_scale)
-    x = decayed_update(x, alpha[1], h, self.branch_scale)
+    sow_branch_norms(self, "mlp_norms", x, alpha[1], h, self.residual)
+    x = self.residual.update(x, alpha[1], h)
     return x, x
 
 
-class UViT(fields.PatchGrid, nn.Module):
+class UViT(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
   """U-ViT noise-prediction network with decayed identity shortcuts (see the module docstring).
 
   Fields as U-ViT's constructor (``dim`` is ``embed_dim``; ``depth`` is U-ViT's argument, giving
   ``2 (depth // 2) + 1`` blocks; ``num_classes > 0`` adds the label token; ``conv`` the final 3x3
-  conv; ``mlp_time_embed`` the Linear-SiLU-Linear on the time token) plus ``skip_mode``, ``mode``
-  and the decay fields. Defaults are U-ViT's constructor defaults; ``UVIT_PRESETS`` holds the
+  conv; ``mlp_time_embed`` the Linear-SiLU-Linear on the time token) plus ``skip_mode``, ``mode``,
+  ``residual`` (the blocks' update, default ``alpha_min=0.7``) and ``zero_init_branches`` (the
+  branch init of 'decayed' mode; an init choice of this model, not of the update). Defaults are
+  U-ViT's constructor defaults; ``UVIT_PRESETS`` holds the
   released configurations. Parameter names follow the torch state_dict (``pos_embed``,
   ``patch_embed``, ``label_emb``, ``in_blocks`` / ``out_blocks`` (scanned, leading block axis),
   ``mid_block``, ``norm``, ``decoder_pred``, ``final_layer``).
@@ -156,10 +161,7 @@ class UViT(fields.PatchGrid, nn.Module):
   conv: bool = True
   skip_mode: str = "concat"
   mode: str = "decayed"
-  alpha_min: float = 0.7
-  schedule_convention: str = "sublayer"
-  schedule_shape: str = "linear"
-  shortcut_form: str = "decay"
+  residual: Residual = Residual(alpha_min=0.7)
   zero_init_branches: bool = True
   dtype: Dtype = jnp.float32
   attention_impl: Optional[str] = None
@@ -190,13 +192,15 @@ class UViT(fields.PatchGrid, nn.Module):
     return 2 if self.conditional else 1
 
   @property
+  def block_residual(self) -> Residual:
+    """The update the blocks use: ``residual``, or the plain ``Residual()`` in 'uvit_original'."""
+    return Residual() if self.mode == "uvit_original" else self.residual
+
+  @property
   def shortcuts(self) -> schedules.Shortcuts:
     """Identity coefficients ``(num_blocks, 2)`` in block order in -> mid -> out; all ones in
     'uvit_original' mode."""
-    if self.mode == "uvit_original":
-      return schedules.shortcuts(self.num_blocks, 1.0)
-    return schedules.shortcuts(self.num_blocks, self.alpha_min, self.schedule_convention,
-                               self.schedule_shape, self.shortcut_form)
+    return self.block_residual.shortcuts(self.num_blocks)
 
   @property
   def zero_init(self) -> bool:
@@ -205,7 +209,6 @@ class UViT(fields.PatchGrid, nn.Module):
 
   # ----- modules ---------------------------------------------------------------------------------
   def setup(self):
-    sc = self.shortcuts
     d, p, c = self.dim, self.patch_size, self.in_chans
     self.patch_embed = torch_conv(d, p, c * p * p, self.dtype, "VALID", strides=p)
     if self.mlp_time_embed:
@@ -214,16 +217,15 @@ class UViT(fields.PatchGrid, nn.Module):
     if self.conditional:
       self.label_emb = nn.Embed(self.num_classes, d, embedding_init=layers.normal(1.0))
     self.pos_embed = self.param("pos_embed", linear_init, (1, self.extras + self.num_patches, d))
-    if sc.learnable:
-      self.alpha = self.param("alpha", lambda _: jnp.asarray(sc.alphas, jnp.float32))
-    else:
-      self.alpha = jnp.asarray(sc.alphas, jnp.float32)
-    block = lambda skip_mode: (self.num_heads, self.mlp_ratio, self.qkv_bias, skip_mode,
-                               self.zero_init, sc.branch_scale, self.dtype, self.attention_impl)
-    self.in_blocks = layers.scan_blocks(UViTBlock, self.half, 0, self.remat_policy)(*block("none"))
-    self.mid_block = layers.remat(UViTBlock, self.remat_policy)(*block("none"))
+    self.alpha = self.block_residual.coefficients(self, self.num_blocks)  # (2K + 1, 2)
+    common = dict(num_heads=self.num_heads, mlp_ratio=self.mlp_ratio, qkv_bias=self.qkv_bias,
+                  zero_init=self.zero_init, residual=self.block_residual, dtype=self.dtype,
+                  attention_impl=self.attention_impl)
+    self.in_blocks = layers.scan_blocks(UViTBlock, self.half, 0, self.remat_policy)(
+        skip_mode="none", **common)
+    self.mid_block = layers.remat(UViTBlock, self.remat_policy)(skip_mode="none", **common)
     self.out_blocks = layers.scan_blocks(UViTBlock, self.half, 0, self.remat_policy)(
-        *block(self.skip_mode))
+        skip_mode=self.skip_mode, **common)
     self.norm = layer_norm()
     self.decoder_pred = dense(p * p * c, self.dtype)
     if self.conv:
@@ -294,7 +296,8 @@ def validate_uvit_fields(m) -> None:
     validate.check_flag(flag, getattr(m, flag))
   validate.check_choice("skip_mode", m.skip_mode, SKIP_MODES)
   validate.check_choice("mode", m.mode, MODES)
-  fields.check_common(m)
+  residual_lib.check_field(m)
+  fields.check_execution(m)
 
 
 # Released configurations (baofff/U-ViT configs/*.py; docs/uvit.md 3.1) and the CPU preset of docs/uvit.md 7. Sizes

@@ -3,11 +3,11 @@
 Upstream MAE fine-tunes ``models_vit.VisionTransformer(global_pool=True)`` (docs/finetune.md 3):
 
     x = [cls; patch_embed(img)] + pos_embed          (N, 1+L, D), pos_embed trainable
-    x = blocks(x)                                    decayed: a_l x + DropPath(f(x)) per sub-layer
+    x = blocks(x)                                    decayed: a_k x + DropPath(f_k(x)) per sub-layer
     logits = head(fc_norm(mean(x[:, 1:], axis=1)))   (N, num_classes), cls token left out
 
-The blocks are the pre-training ``MAEBlock`` with their identity coefficients rebuilt from the
-pre-trained model's ``alpha_min`` and schedule fields (module constants, as in pre-training); drop
+The blocks are the pre-training ``MAEBlock`` with the pre-trained model's ``residual`` spec (the
+same object: identity coefficients rebuilt from it as module constants, as in pre-training); drop
 path rate ``linspace(0, drop_path, depth)[j]`` in block ``j``, on the branches only. There is no
 final norm: upstream deletes the pretrained one with global pooling, and the decayed encoder has
 none, so both give the raw last-block patch tokens to a fresh ``fc_norm``. Parameter names follow
@@ -27,8 +27,10 @@ import numpy as np
 from decay_jax import validate
 from decay_jax.models import fields, layers
 from decay_jax.models import mae as mae_lib
+from decay_jax.models import residual as residual_lib
 from decay_jax.models.blocks import MAEBlock
 from decay_jax.models.layers import Dtype
+from decay_jax.models.residual import Residual
 
 HEAD_INIT_STD = 2e-5  # upstream main_finetune.py: trunc_normal_(head.weight, std=2e-5)
 
@@ -38,8 +40,12 @@ def drop_path_rates(depth: int, drop_path: float) -> np.ndarray:
   return np.linspace(0.0, drop_path, depth, dtype=np.float64).astype(np.float32)
 
 
-class ViTClassifier(fields.DecayedShortcuts, fields.PatchGrid, nn.Module):
-  """Decayed ViT encoder + patch-token mean + ``fc_norm`` + ``head``. Input ``(N, H, W, C)``.
+class ViTClassifier(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
+  """Decayed ViT encoder + patch-token mean + ``fc_norm`` + ``head``. Input ``(N, H, W, C)``,
+  output logits ``(N, num_classes)`` float32.
+
+  ``residual`` (``residual.Residual``, default ``alpha_min=1``) is the blocks' update
+  ``x <- alpha_k x + DropPath(f_k(x))``; ``shortcut_form='learnable'`` is not allowed here yet.
 
   ``train`` switches drop path on: its uniform draws are ``drop_u (depth, N, 2)`` (attention and
   MLP branch of every block) when given, else they come from the ``'dropout'`` RNG; evaluation uses
@@ -54,10 +60,7 @@ class ViTClassifier(fields.DecayedShortcuts, fields.PatchGrid, nn.Module):
   num_heads: int = 12
   mlp_ratio: float = 4.0
   drop_path: float = 0.1
-  alpha_min: float = 1.0
-  schedule_convention: str = "sublayer"
-  schedule_shape: str = "linear"
-  shortcut_form: str = "decay"
+  residual: Residual = Residual()
   dtype: Dtype = jnp.float32
   attention_impl: Optional[str] = None
   remat_policy: str = "none"
@@ -69,9 +72,6 @@ class ViTClassifier(fields.DecayedShortcuts, fields.PatchGrid, nn.Module):
 
   @nn.compact
   def __call__(self, imgs, drop_u=None):
-    sc = self.shortcuts
-    if sc.learnable:
-      raise ValueError("shortcut_form='learnable' is not allowed for fine-tuning yet")
     x = layers.PatchEmbed(self.dim, self.patch_size, dtype=self.dtype, name="patch_embed")(imgs)
     x = x.astype(jnp.float32)
     cls_token = self.param("cls_token", layers.normal(0.02), (1, 1, self.dim))
@@ -81,9 +81,10 @@ class ViTClassifier(fields.DecayedShortcuts, fields.PatchGrid, nn.Module):
     x = jnp.concatenate([jnp.broadcast_to(cls_token, (x.shape[0], 1, self.dim)), x], axis=1)
     x = x + pos_embed
     blocks = layers.scan_blocks(MAEBlock, self.depth, in_axes=0, remat_policy=self.remat_policy)(
-        self.num_heads, self.mlp_ratio, sc.branch_scale, self.dtype, self.attention_impl,
-        stochastic_depth=self.train, name="blocks")
-    x, _ = blocks(x, jnp.asarray(sc.alphas, jnp.float32),
+        num_heads=self.num_heads, mlp_ratio=self.mlp_ratio, residual=self.residual,
+        dtype=self.dtype, attention_impl=self.attention_impl, stochastic_depth=self.train,
+        name="blocks")
+    x, _ = blocks(x, self.residual.coefficients(self, self.depth),
                   jnp.asarray(drop_path_rates(self.depth, self.drop_path)), drop_u)
     pooled = layers.layer_norm("fc_norm")(x[:, 1:].mean(axis=1))
     head = nn.Dense(self.num_classes, dtype=self.dtype, name="head",
@@ -103,7 +104,10 @@ def validate_vit_fields(m) -> None:
                      f"{m.num_heads} and by 4 (2-D sin-cos positions)")
   if not 0.0 <= m.drop_path < 1.0:
     raise ValueError(f"drop_path={m.drop_path!r} is not allowed; it must be in [0, 1)")
-  fields.check_common(m)
+  residual_lib.check_field(m)
+  if m.residual.shortcut_form == "learnable":
+    raise ValueError("shortcut_form='learnable' is not allowed for fine-tuning yet")
+  fields.check_execution(m)
 
 
 def vit(preset: str, num_classes: int, **overrides) -> ViTClassifier:
@@ -115,10 +119,9 @@ def vit(preset: str, num_classes: int, **overrides) -> ViTClassifier:
 
 
 def from_mae(mae_model, num_classes: int, drop_path: float, **overrides) -> ViTClassifier:
-  """The classifier over a pre-trained MAE's encoder: same sizes, same decay schedule."""
+  """The classifier over a pre-trained MAE's encoder: same sizes, same ``residual`` spec."""
   keep = ("img_size", "patch_size", "in_chans", "dim", "depth", "num_heads", "mlp_ratio",
-          "alpha_min", "schedule_convention", "schedule_shape", "shortcut_form", "dtype",
-          "attention_impl", "remat_policy")
+          "residual", "dtype", "attention_impl", "remat_policy")
   kwargs = {k: getattr(mae_model, k) for k in keep}
   kwargs.update(overrides)
   return ViTClassifier(num_classes=num_classes, drop_path=drop_path, **kwargs)

@@ -9,12 +9,13 @@ one-line ``ValueError`` naming the field, before anything is compiled.
 
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import ml_collections as mlc
 
 from decay_jax import validate as validate_lib
 from decay_jax.data import pipeline
-from decay_jax.diffusion import dpm_solver, vp
-from decay_jax.train import profiling
+from decay_jax.models import residual as residual_lib
 
 
 def _common(task: str) -> mlc.ConfigDict:
@@ -40,10 +41,10 @@ def _common(task: str) -> mlc.ConfigDict:
   return c
 
 
-def _model_fields() -> mlc.ConfigDict:
-  """Decay and precision fields common to both models (architecture comes from the preset)."""
-  return mlc.ConfigDict(dict(alpha_min=1.0, schedule_convention="sublayer", schedule_shape="linear",
-                             shortcut_form="decay", dtype="float32",
+def _model_fields(residual: residual_lib.Residual = residual_lib.Residual()) -> mlc.ConfigDict:
+  """Residual and precision fields common to all models (architecture comes from the preset):
+  every field of the ``residual`` spec, flat (``model.alpha_min``, ``model.shortcut_form`` ...)."""
+  return mlc.ConfigDict(dict(**residual.fields(), dtype="float32",
                              attention_impl=mlc.FieldReference(None, field_type=str),
                              remat_policy="none"))
 
@@ -79,9 +80,8 @@ def representation_evals() -> mlc.ConfigDict:
 def mae_config() -> mlc.ConfigDict:
   """MAE pretraining defaults: the official recipe (docs/official_code.md 2) at ViT-B/16."""
   c = _common("mae")
-  c.model = _model_fields()
+  c.model = _model_fields(residual_lib.Residual(alpha_min=0.7))
   c.model.preset = "B/16"
-  c.model.alpha_min = 0.7
   c.model.norm_pix_loss = True
   c.model.mask_ratio = 0.75
   c.data.dataset = "imagenet2012"
@@ -104,8 +104,8 @@ def mae_config() -> mlc.ConfigDict:
 def finetune_config() -> mlc.ConfigDict:
   """End-to-end fine-tuning defaults: upstream MAE's ViT-B/16 recipe (docs/finetune.md).
 
-  ``init_from``: a pre-training workdir of ``decay_jax.main`` (its latest checkpoint) or a params
-  directory (``decay_jax.convert mae ... --out DIR``); the classifier takes that encoder's sizes and
+  ``init_from``: a pre-training workdir of ``decay_jax.cli.train`` (its latest checkpoint) or a params
+  directory (``decay_jax.cli.convert mae ... --out DIR``); the classifier takes that encoder's sizes and
   decay schedule (``model.preset`` and ``model.alpha_min`` are then not used). Empty: from scratch
   with ``model.preset``'s encoder. The classes come from the data.
   """
@@ -141,9 +141,8 @@ def finetune_config() -> mlc.ConfigDict:
 def sit_config() -> mlc.ConfigDict:
   """SiT training defaults: the official recipe (docs/official_code.md 5.2) at SiT-XL/2."""
   c = _common("sit")
-  c.model = _model_fields()
+  c.model = _model_fields(residual_lib.Residual(alpha_min=0.8))
   c.model.preset = "XL/2"
-  c.model.alpha_min = 0.8
   c.model.num_classes = 1000
   c.model.class_dropout_prob = 0.1
   c.model.learn_sigma = True
@@ -186,9 +185,8 @@ def uvit_config() -> mlc.ConfigDict:
   horizontal flips, the continuous VPSDE, DPM-Solver-fast with 50 model calls for samples.
   """
   c = _common("uvit")
-  c.model = _model_fields()
+  c.model = _model_fields(residual_lib.Residual(alpha_min=0.7))
   c.model.preset = "S/2"
-  c.model.alpha_min = 0.7
   c.model.mode = "decayed"  # 'uvit_original': alpha 1 and U-ViT's init, bit for bit
   c.model.skip_mode = "concat"
   c.model.zero_init_branches = True
@@ -231,12 +229,25 @@ def steps_for(config, num_train: int):
   return total, min(warmup, total)
 
 
+def parse_steps(value: str) -> Optional[Tuple[int, int]]:
+  """``"START,COUNT"`` -> ``(START, COUNT)``; ``""`` -> None. One-line ValueError otherwise."""
+  if not value:
+    return None
+  parts = str(value).split(",")
+  if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or int(parts[1]) < 1:
+    raise validate_lib.not_allowed(
+        "profile_steps", value, "it must be 'START,COUNT' (integers, START >= 0, COUNT >= 1), "
+        "e.g. '10,3', or '' for no profile")
+  return int(parts[0]), int(parts[1])
+
+
 def validate(config) -> None:
-  """One-line errors for the training fields; ``task`` and the model's fields are checked where the
-  model is built (``models.factory.build_model``)."""
+  """One-line errors for the training fields; ``task``, the task's own sections and the model's
+  fields are checked where they are built (``train.setup.check_config``: ``Task.check_config``,
+  ``models.factory.build_model``)."""
   for name in ("batch_size", "accum_steps", "log_every_steps"):
     validate_lib.check_int(name, config[name])
-  profiling.parse_steps(config.get("profile_steps", ""))
+  parse_steps(config.get("profile_steps", ""))
   if config.batch_size % config.accum_steps:
     raise validate_lib.not_allowed("batch_size", config.batch_size,
                                    f"it must be divisible by accum_steps={config.accum_steps}")
@@ -256,30 +267,6 @@ def validate(config) -> None:
     raise ValueError("optim.lr or optim.base_lr must be > 0")
   validate_lib.check_range("ema_decay", config.ema_decay, 0.0, 1.0, high_open=True)
   validate_lib.check_range("optim.weight_decay", config.optim.weight_decay, 0.0)
-  if config.task == "uvit":
-    validate_lib.check_choice("diffusion.schedule", config.diffusion.schedule, vp.SCHEDULES)
-    validate_lib.check_range("diffusion.class_dropout_prob", config.diffusion.class_dropout_prob,
-                             0.0, 1.0, high_open=True)
-    if config.diffusion.class_dropout_prob > 0 and not config.model.conditional:
-      raise validate_lib.not_allowed(
-          "diffusion.class_dropout_prob", config.diffusion.class_dropout_prob,
-          "an unconditional model (model.conditional=False) has no labels to drop; use 0")
-    validate_lib.check_choice("sample.mode", config.sample.mode, tuple(dpm_solver.SAMPLERS))
-    validate_lib.check_choice("sample.method", config.sample.method,
-                              dpm_solver.SAMPLERS[config.sample.mode])
-    if config.sample.mode != "dpm" and config.diffusion.schedule != "vpsde":
-      raise validate_lib.not_allowed("sample.mode", config.sample.mode,
-                                     "the Euler samplers need diffusion.schedule='vpsde'")
-  if config.task == "finetune":
-    validate_lib.check_range("optim.layer_decay", config.optim.layer_decay, 0.0, 1.0,
-                             low_open=True)
-    validate_lib.check_int("mixup.group", config.mixup.group)
-    if config.batch_size % config.mixup.group:  # mixed before the microbatch split
-      raise validate_lib.not_allowed(
-          "mixup.group", config.mixup.group,
-          f"it must divide batch_size = {config.batch_size}")
-    validate_lib.check_range("mixup.smoothing", config.mixup.smoothing, 0.0, 1.0, high_open=True)
-    validate_lib.check_range("mixup.erase_prob", config.mixup.erase_prob, 0.0, 1.0)
 
 
 def override(config, **overrides):
@@ -305,3 +292,7 @@ def model_overrides(preset=None, dtype=None, remat=None) -> dict:
   """
   given = {"model.preset": preset, "model.dtype": dtype, "model.remat_policy": remat}
   return {k: v for k, v in given.items() if v}
+
+
+# The default config of each task: where commands that take ``--task`` without ``--config`` start.
+DEFAULTS = {"mae": mae_config, "finetune": finetune_config, "sit": sit_config, "uvit": uvit_config}

@@ -1,8 +1,8 @@
 """The pre-trained MAE a fine-tuning run starts from (``config.init_from``).
 
-Either a pre-training workdir of ``decay_jax.main`` (its latest checkpoint's parameters, the model
+Either a pre-training workdir of ``decay_jax.cli.train`` (its latest checkpoint's parameters, the model
 rebuilt from its ``config.json``) or a params directory (``model.json`` + ``params``, as written by
-``decay_jax.convert mae`` from an official checkpoint or by ``save_params``). The decay schedule
+``decay_jax.cli.convert mae`` from an official checkpoint or by ``save_params``). The decay schedule
 comes with the model's fields; it is never a default.
 """
 

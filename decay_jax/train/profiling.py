@@ -18,22 +18,9 @@ import jax
 from absl import logging
 
 from decay_jax import paths
-from decay_jax import validate as validate_lib
 
 HLO_FILE = "train_step.hlo.txt"
 TRACE_FILE = "perfetto_trace.json.gz"
-
-
-def parse_steps(value: str) -> Optional[Tuple[int, int]]:
-  """``"START,COUNT"`` -> ``(START, COUNT)``; ``""`` -> None. One-line ValueError otherwise."""
-  if not value:
-    return None
-  parts = str(value).split(",")
-  if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or int(parts[1]) < 1:
-    raise validate_lib.not_allowed(
-        "profile_steps", value, "it must be 'START,COUNT' (integers, START >= 0, COUNT >= 1), "
-        "e.g. '10,3', or '' for no profile")
-  return int(parts[0]), int(parts[1])
 
 
 def newest_run(logdir: str) -> Optional[str]:

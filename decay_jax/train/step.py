@@ -49,13 +49,6 @@ def state_shardings(abstract, tx, mesh):
   return out
 
 
-def create_state(task, tx, seed: int, mesh, ema: bool = False):
-  """The train state, born sharded: shape-first init, then ``jit(init, out_shardings=...)``."""
-  abstract = abstract_state(task, tx, seed, ema)
-  shardings = state_shardings(abstract, tx, mesh)
-  return jax.jit(lambda: init_state(task, tx, seed, ema), out_shardings=shardings)(), shardings
-
-
 def ema_update(ema, params, decay: float):
   """``decay * ema + (1 - decay) * params`` leaf by leaf (official ``update_ema``)."""
   return jax.tree_util.tree_map(lambda e, p: e * decay + p * (1.0 - decay), ema, params)

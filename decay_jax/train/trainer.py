@@ -22,12 +22,11 @@ from decay_jax import logs, paths
 from decay_jax import sharding as shd
 from decay_jax.data import on_device
 from decay_jax.data import pipeline
-from decay_jax.models import factory, flops
-from decay_jax.models import vit
-from decay_jax.train import evaluation, finetune_optim, optim, pretrained, profiling, progress
-from decay_jax.train import tasks, writers
+from decay_jax.train import evaluation, profiling, progress, setup, tasks, writers
 from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import config as config_lib
+from decay_jax.train import failures
+from decay_jax.train import lease as lease_lib
 from decay_jax.train import step as step_lib
 
 
@@ -36,41 +35,17 @@ from decay_jax.train import step as step_lib
 DEVICE_PREFETCH = 2
 
 
-class NonFiniteLossError(FloatingPointError):
-  """Training produced a NaN/Inf loss or gradient; the last good checkpoint is kept."""
-
-
-def make_task(config, model, info):
-  mean, std = pipeline.normalization(config.data, info["channels"])
-  if config.task == "mae":
-    return tasks.MAETask(model, mean=mean, std=std)
-  if config.task == "finetune":
-    return tasks.FinetuneTask(model, config.mixup, mean=mean, std=std)
-  if config.task == "uvit":
-    return tasks.UViTTask(model, config.diffusion, config.sample, mean=mean, std=std)
-  return tasks.SiTTask(model, config.transport.to_dict(), config.sample, mean=mean, std=std)
-
-
-def make_optimizer(config, task, total_steps: int, warmup_steps: int):
-  """``(optax transformation, lr schedule)`` of a config: pre-training's AdamW, or fine-tuning's
-  layer-wise lr decay over the classifier's parameter names (``finetune_optim``)."""
-  if config.task == "finetune":
-    model = task.model
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *task.init_inputs(1))["params"])
-    return finetune_optim.from_config(config.optim, config.batch_size, total_steps, warmup_steps,
-                                      shapes, model.depth)
-  return optim.make_optimizer(config.optim, config.batch_size, total_steps, warmup_steps)
-
-
-def jit_train_step(config, task, tx, schedule, shardings, mesh):
-  """The jitted, donated train step of ``config`` that the trainer runs (and ``cli.bench`` times)."""
-  return step_lib.jit_train_step(
-      step_lib.make_train_step(task, tx, schedule, config.accum_steps, config.ema_decay),
-      shardings, mesh)
+class NonFiniteLossError(failures.Diverged):
+  """Training produced a NaN/Inf loss or gradient; the checkpoints on disk (all finite: a state
+  with a non-finite value is never saved) are kept. One line (``str()``), exit status 3."""
 
 
 class _Preemption:
-  """SIGTERM sets a flag; the loop saves a checkpoint at the next step boundary and stops.
+  """SIGTERM sets a flag; the loop saves a checkpoint at the next step boundary and stops (the
+  command then exits with ``failures.PREEMPTED``, 143). Installed for the loop only: before it
+  (startup, restore, compilation) the command's handler (``failures.raise_on_sigterm``) stops the
+  run at once, as there is nothing new to save; it is put back when the loop and its last saves
+  are done.
 
   With several processes, JAX's preemption sync point makes all hosts stop at the same step.
   """
@@ -114,23 +89,12 @@ def _check_finite(history, step: int, ckpts) -> None:
     if not (np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])):
       ckpts.wait()
       last = ckpts.latest_step()
+      newest = ("no checkpoint saved yet (a rerun starts afresh)" if last is None else
+                f"the newest checkpoint is step {last}, finite (a rerun resumes from it)")
       raise NonFiniteLossError(
-          f"non-finite loss/gradient at step {i} (loss={m['loss']}, grad_norm={m['grad_norm']}); "
-          f"stopping. The last good checkpoint is step {last} in the workdir's checkpoints/; "
-          "lower the learning rate or use float32 and resume from it.")
-
-
-def check_config(config, pretrained_model=None):
-  """Every check that needs no compilation; raises a one-line ValueError. Returns the pieces.
-
-  ``pretrained_model``: the MAE a fine-tuning run starts from (``pretrained.load``).
-  """
-  config_lib.validate(config)
-  info = pipeline.dataset_info(config.data)
-  model = factory.build_model(config, info, pretrained_model)
-  mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp)
-  shd.check_batch(config.batch_size, mesh, config.accum_steps)
-  return info, model, mesh
+          f"training diverged: non-finite loss/gradient at step {i} (loss={m['loss']}, "
+          f"grad_norm={m['grad_norm']}); {newest}; lower the learning rate (or use float32) and "
+          "rerun")
 
 
 def train_and_evaluate(config, workdir: str,
@@ -143,14 +107,13 @@ def train_and_evaluate(config, workdir: str,
   # ---------------------------------------------------------------------------------------------
   # Validate everything before compiling anything.
   # ---------------------------------------------------------------------------------------------
-  start_from = None  # fine-tuning: (pre-trained MAE, its parameters)
-  if config.task == "finetune" and config.init_from:
-    config_lib.validate(config)
-    start_from = pretrained.load(config.init_from,
-                                 shd.make_mesh(config.mesh.data, config.mesh.fsdp))
-  info, model, mesh = check_config(config, start_from[0] if start_from else None)
-  task = make_task(config, model, info)
-  total_steps, warmup_steps = config_lib.steps_for(config, info["num_train"])
+  config_lib.validate(config)
+  task_cls = tasks.get(config.task)
+  task_cls.check_config(config)
+  start_from = task_cls.load_start(config, shd.make_mesh(config.mesh.data, config.mesh.fsdp))
+  s = setup.build(config, pretrained_model=start_from[0] if start_from else None)
+  model, task, mesh = s.model, s.task, s.mesh
+  total_steps, warmup_steps = s.total_steps, s.warmup_steps
   evaluators = evaluation.make(config, model, mesh, evaluators)
   workdir = str(paths.resolve(workdir))  # local: absolute; gs://...: unchanged
   is_main = jax.process_index() == 0
@@ -167,30 +130,34 @@ def train_and_evaluate(config, workdir: str,
                warmup_steps, config.batch_size)
 
   # ---------------------------------------------------------------------------------------------
-  # Optimiser, train state (born sharded), checkpoints.
+  # Train state (born sharded), checkpoints.
   # ---------------------------------------------------------------------------------------------
-  tx, schedule = make_optimizer(config, task, total_steps, warmup_steps)
-  use_ema = config.ema_decay > 0
-  abstract = step_lib.abstract_state(task, tx, config.seed, use_ema)
-  shardings = step_lib.state_shardings(abstract, tx, mesh)
-  ckpts = ckpt_lib.RunCheckpoints(workdir, config.checkpoint.keep,
-                                  config.checkpoint.keep_every_steps, config.checkpoint.async_save)
-  start = ckpts.latest_step()
+  use_ema = s.use_ema
+  run_lease = lease_lib.acquire(workdir)  # one run per workdir: a second one stops here
+  ckpts = None
+  try:
+    ckpts = ckpt_lib.RunCheckpoints(workdir, config.checkpoint.keep,
+                                    config.checkpoint.keep_every_steps,
+                                    config.checkpoint.async_save, lease=run_lease)
+    # The newest checkpoint that matches its digests; damaged ones are named and moved aside.
+    resumed = ckpts.restore_newest(s.abstract, s.shardings)
+  except BaseException:
+    if ckpts is not None:
+      ckpts.failed = True  # close quietly: the error on its way is the one to report
+      ckpts.close()
+    run_lease.release()
+    raise
   data_state = None
-  if start is not None:
-    state, meta = ckpts.restore(start, abstract, shardings)
+  if resumed is not None:
+    start, state, meta = resumed
     data_state = ckpts.restore_data(start)
     logging.info("resumed from step %d (%d examples seen)", start, meta["examples_seen"])
   else:
     start, meta = 0, {}
-    state = jax.jit(lambda: step_lib.init_state(task, tx, config.seed, use_ema),
-                    out_shardings=shardings)()
-    if start_from is not None:  # the encoder of pre-training; fc_norm and head stay fresh
-      params = vit.init_from_mae(state["params"], *start_from)
-      state["params"] = jax.device_put(params, shardings["params"])
-      logging.info("initialised from %s: patch_embed, cls_token, pos_embed and %d blocks "
-                   "(alpha_min %s); fc_norm and head fresh", config.init_from, model.depth,
-                   model.alpha_min)
+    state = s.init_state()
+    if start_from is not None:
+      state["params"] = jax.device_put(task.start_params(state["params"], start_from),
+                                       s.shardings["params"])
 
   # ---------------------------------------------------------------------------------------------
   # Input and the compiled step.
@@ -204,20 +171,17 @@ def train_and_evaluate(config, workdir: str,
   if start:
     logging.info("input stream at step %d: %s", start, "restored from the checkpoint's Grain state"
                  if batches.restored else "started at that step (the same batches)")
-  train_step = jit_train_step(config, task, tx, schedule, shardings, mesh)
   t0 = time.perf_counter()
   first = next(batches)
-  compiled = train_step.lower(state, first).compile()
+  compiled = s.train_step.lower(state, first).compile()
   compile_seconds = time.perf_counter() - t0
   logging.info("train step compiled in %.1f s", compile_seconds)
-  profiler = profiling.StepProfiler(profiling.parse_steps(config.profile_steps),
+  profiler = profiling.StepProfiler(config_lib.parse_steps(config.profile_steps),
                                     paths.join(workdir, "profile"), compiled.as_text)
 
   # ---------------------------------------------------------------------------------------------
   # Train loop.
   # ---------------------------------------------------------------------------------------------
-  flops_per_step = task.train_flops_per_example() * config.batch_size
-  peak = flops.peak_flops_per_device(config.get("peak_tflops_per_device", 0.0))
   report = progress.ReportProgress(num_train_steps=total_steps, writer=writer)
   preemption = _Preemption()
   fixed_pictures = evaluators.picture_batch()
@@ -245,17 +209,11 @@ def train_and_evaluate(config, workdir: str,
         _check_finite(fetched, step, ckpts)
         elapsed = time.perf_counter() - window_start
         scalars = {k: float(np.mean([m[k] for _, m in fetched])) for k in fetched[-1][1]}
-        per_sec = window_steps * config.batch_size / elapsed
         # Wall and CPU seconds (this process, all threads) per step of the window: what
         # `decay_jax.cli.bench --from_trainer` reads to compare with its own timing.
         scalars["step_seconds"] = elapsed / window_steps
         scalars["step_cpu_seconds"] = (time.process_time() - window_cpu) / window_steps
-        scalars["examples_per_sec"] = per_sec
-        scalars["examples_per_sec_per_device"] = per_sec / jax.device_count()
-        scalars["model_tflops_per_sec_per_device"] = (
-            window_steps * flops_per_step / elapsed / jax.device_count() / 1e12)
-        if peak:
-          scalars["mfu"] = scalars["model_tflops_per_sec_per_device"] * 1e12 / peak
+        scalars.update(s.rates(scalars["step_seconds"]))
         writer.write_scalars(step, scalars)
         results.update(step=step, loss=scalars["loss"])
         window_start, window_cpu, window_steps = time.perf_counter(), time.process_time(), 0
@@ -282,7 +240,9 @@ def train_and_evaluate(config, workdir: str,
         results.update(ev)
         evaluated = last
       if preempted:
-        logging.warning("stopped at step %d after SIGTERM; rerun the same command to resume", step)
+        logging.warning("stopped at step %d after SIGTERM, its checkpoint saved; rerun the same "
+                        "command to resume (the command exits with status %d)", step,
+                        failures.PREEMPTED)
         break
       if not last:
         with jax.profiler.TraceAnnotation("input"):  # the host's share, named in a profile
@@ -293,15 +253,15 @@ def train_and_evaluate(config, workdir: str,
       results.update(ev)
   finally:
     profiler.close()
-    preemption.restore()
     batches.close()
-    ckpts.close()
-    writer.flush()
+    try:
+      ckpts.close()  # the saves in flight end before SIGTERM goes back to the command's handler
+      writer.flush()
+    finally:
+      preemption.restore()
+      run_lease.release()
   results["preempted"] = preempted
-  if config.task == "finetune" and is_main:  # upstream logs the best epoch beside the last
-    curve = writers.read_scalars(workdir, "accuracy/top1")
-    if curve:
-      results["accuracy/top1_best"] = max(v for _, v in curve)
   if is_main:
+    results.update(task_cls.final_results(workdir))
     paths.write_json(paths.join(workdir, "results.json"), results)
   return results

@@ -6,7 +6,7 @@
     python -m research.small_scale_study.run --config=research/small_scale_study/config.py --workdir=DIR --reevaluate
 
 Every arm is the config with a few fields overridden (``research/small_scale_study/study.py``); it trains in
-``DIR/<arm>`` with ``decay_jax.main``'s trainer (same data order, seed and augmentation for every
+``DIR/<arm>`` with ``decay_jax.cli.train``'s trainer (same data order, seed and augmentation for every
 arm; resumable: rerun the same command after an interruption) and is then evaluated once by the
 evaluators of ``decay_jax.cli.evaluate``: KNN and linear probes of the last block (``evals.knn``,
 ``evals.linear``: one head per feature choice), KNN and the fast linear probe of every block for
@@ -38,7 +38,7 @@ from ml_collections import config_flags
 from decay_jax import logs, paths
 from decay_jax import sharding as shd
 from decay_jax.cli import errors
-from decay_jax.train import trainer
+from decay_jax.train import setup
 from research.small_scale_study import study as study_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Base config of every arm.",
@@ -76,7 +76,7 @@ def main(argv):
       arms = [a for a in arms if a["name"] in _ONLY.value]
     configs = [study_lib.arm_config(base, a) for a in arms]
     for cfg in configs:
-      trainer.check_config(cfg)
+      setup.check_config(cfg)
     if _REEVALUATE.value and not _REPORT_ONLY.value and not _LIST.value:
       for a, cfg in zip(arms, configs):
         study_lib.check_reevaluable(a, cfg, paths.join(workdir, a["name"]))

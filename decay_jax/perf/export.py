@@ -9,20 +9,19 @@ program of any config lowers on a laptop CPU, sharding annotations included:
     exported = jax.export.export(program.fn, platforms=("tpu",))(*program.args)
     text = exported.mlir_module()      # StableHLO with sdy.sharding on every argument
 
-The programs are the ones that run: ``train_program`` builds the step exactly as
-``decay_jax.train.trainer`` does (``trainer.make_task``, ``trainer.make_optimizer``,
-``step.make_train_step`` jitted by ``step.jit_train_step`` with the state's FSDP shardings, the
-batch split over all devices and the state donated), and ``sample_program`` jits
-``SiTTask.sample`` with the shardings of ``decay_jax.cli.sample``. The arguments are
-``jax.ShapeDtypeStruct``s carrying their shardings: nothing is allocated, nothing compiled, no
-dataset read (``data_info`` stands in for it).
+The programs are the ones that run: ``train_program`` is the trainer's own step
+(``decay_jax.train.setup.build``: the task's optimiser, ``step.make_train_step`` jitted with the
+state's FSDP shardings, the batch split over all devices and the state donated), and
+``sample_program`` jits the task's ``sample`` with the shardings of ``decay_jax.cli.sample``. The
+arguments are ``jax.ShapeDtypeStruct``s carrying their shardings: nothing is allocated, nothing
+compiled, no dataset read (``setup.data_info`` stands in for it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Dict, Sequence, Tuple
+from typing import Any, Callable, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -30,18 +29,11 @@ from jax.sharding import AbstractMesh
 
 from decay_jax import sharding as shd
 from decay_jax import validate
-from decay_jax.data import on_device
-from decay_jax.data import pipeline
-from decay_jax.models import factory
 from decay_jax.train import config as config_lib
-from decay_jax.train import trainer
-from decay_jax.train import step as step_lib
+from decay_jax.train import setup, tasks
 
 # The platform names ``jax.export`` lowers for.
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
-# Stand-in training-set size (ImageNet-1k train) for datasets that are not on this machine: it
-# sets the schedule's step counts only, which enter the program as constants, not its structure.
-STANDIN_NUM_TRAIN = 1_281_167
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,79 +81,20 @@ def abstract_mesh(data: int, fsdp: int, num_devices: int,
   return AbstractMesh((data, fsdp), shd.BATCH_AXES)
 
 
-def data_info(config, channels: int = 0) -> Dict[str, int]:
-  """``pipeline.dataset_info`` for lowering: read for in-memory data, a stand-in otherwise.
-
-  Args:
-    config: a training config.
-    channels: input channels of a dataset that is not read (0: 4 for SiT latents, else 3).
-
-  Returns:
-    ``{'image_size', 'channels', 'num_train', 'num_classes'}`` (``num_train``:
-    ``STANDIN_NUM_TRAIN``, ``num_classes``: ImageNet's 1000 if unread).
-  """
-  dataset = config.data.dataset
-  if dataset == pipeline.EMBEDDED_MNIST or dataset.startswith(pipeline.NPZ_PREFIX):
-    return pipeline.dataset_info(config.data)  # cheap: the arrays' header and labels
-  return {"image_size": config.data.image_size,
-          "channels": channels or (4 if config.task == "sit" else 3),
-          "num_train": STANDIN_NUM_TRAIN, "num_classes": 1000}
-
-
-def abstract_batch(model, task_name: str, batch: int, mesh,
-                   image_dtype=jnp.uint8) -> Dict[str, jax.ShapeDtypeStruct]:
-  """The trainer's input batch, abstract and split over the mesh.
-
-  Returns:
-    ``{'image': (B, H, W, C) image_dtype, 'label': (B,) int32}`` with ``sharding.batch_sharding``
-    (``image_dtype``: the stream's, ``on_device.stream_dtype``: uint8 pixels, float32 latents).
-  """
-  s = shd.batch_sharding(mesh)
-  if task_name == "sit":
-    shape = (batch, model.input_size, model.input_size, model.in_channels)
-  else:
-    shape = (batch, model.img_size, model.img_size, model.in_chans)
-  return {"image": jax.ShapeDtypeStruct(shape, image_dtype, sharding=s),
-          "label": jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=s)}
-
-
-def _with_shardings(abstract, shardings):
-  return jax.tree_util.tree_map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-
-
-def _model_and_task(config, mesh, channels: int):
-  """``(info, model, task)`` after the checks of ``trainer.check_config`` that need no data."""
-  config_lib.validate(config)
-  info = data_info(config, channels)
-  model = factory.build_model(config, info)
-  shd.check_batch(config.batch_size, mesh, config.accum_steps)
-  return info, model, trainer.make_task(config, model, info)
-
-
 def train_program(config, mesh, channels: int = 0) -> Program:
   """The trainer's jitted train step of ``config`` on ``mesh`` and its abstract inputs.
 
   Args:
     config: a training config (its dtype, remat, accum_steps, EMA and optimiser are used as is).
     mesh: a ``Mesh`` or an ``AbstractMesh`` with axes ``('data', 'fsdp')``.
-    channels: see ``data_info``.
+    channels: see ``setup.data_info``.
 
   Returns:
     ``Program`` with ``fn(state, batch) -> (state, metrics)`` and ``args = (state, batch)``: the
     train state with its FSDP shardings and the ``(config.batch_size, H, W, C)`` batch.
   """
-  info, model, task = _model_and_task(config, mesh, channels)
-  total_steps, warmup_steps = config_lib.steps_for(config, info["num_train"])
-  tx, schedule = trainer.make_optimizer(config, task, total_steps, warmup_steps)
-  abstract = step_lib.abstract_state(task, tx, config.seed, config.ema_decay > 0)
-  shardings = step_lib.state_shardings(abstract, tx, mesh)
-  fn = step_lib.jit_train_step(
-      step_lib.make_train_step(task, tx, schedule, config.accum_steps, config.ema_decay),
-      shardings, mesh)
-  batch = abstract_batch(model, config.task, config.batch_size, mesh,
-                         on_device.stream_dtype(config.data))
-  return Program(fn, (_with_shardings(abstract, shardings), batch), mesh, "train_step")
+  s = setup.build(config, info=setup.data_info(config, channels), mesh=mesh)
+  return Program(s.train_step, s.abstract_args(), mesh, "train_step")
 
 
 def sample_batch_size(requested: int, num_devices: int) -> int:
@@ -170,7 +103,7 @@ def sample_batch_size(requested: int, num_devices: int) -> int:
 
 
 def jit_sample(task, sample_cfg, mesh) -> Callable:
-  """``SiTTask.sample`` jitted as the sample command runs it: noise, labels and output split over
+  """The task's ``sample`` jitted as the sample command runs it: noise, labels and output split over
   the devices, the weights wherever their shardings put them (FSDP), the key replicated.
 
   The returned ``fn(params, noise (N, H, W, C), labels (N,), key) -> (N, H, W, C)``.
@@ -188,22 +121,23 @@ def sample_program(config, mesh, sample_cfg=None, batch: int = 0, channels: int 
     mesh: a ``Mesh`` or an ``AbstractMesh`` with axes ``('data', 'fsdp')``.
     sample_cfg: the sampler settings (default: ``config.sample``, the command's defaults).
     batch: images per call before rounding (0: ``sample_cfg.batch_size``).
-    channels: see ``data_info``.
+    channels: see ``setup.data_info``.
 
   Returns:
     ``Program`` with ``args = (weights, noise, labels, key)``: the weights with the FSDP
     shardings the sample command restores them with.
   """
-  if config.task != "sit":
+  config_lib.validate(config)
+  if not tasks.get(config.task).samples:
     raise validate.not_allowed("task", config.task, "sampling needs a SiT config ('sit')")
-  _, model, task = _model_and_task(config, mesh, channels)
+  info, model, _ = setup.check_config(config, info=setup.data_info(config, channels), mesh=mesh)
+  task = setup.make_task(config, model, info)
   sample_cfg = sample_cfg or config.sample
   n = sample_batch_size(batch or sample_cfg.batch_size, mesh.size)
   params = jax.eval_shape(lambda: model.init(jax.random.key(0), *task.init_inputs(1))["params"])
   s = shd.batch_sharding(mesh)
-  args = (_with_shardings(params, shd.param_shardings(params, mesh)),
-          jax.ShapeDtypeStruct((n, model.input_size, model.input_size, model.in_channels),
-                               jnp.float32, sharding=s),
+  args = (setup.with_shardings(params, shd.param_shardings(params, mesh)),
+          jax.ShapeDtypeStruct((n,) + task.image_shape(), jnp.float32, sharding=s),
           jax.ShapeDtypeStruct((n,), jnp.int32, sharding=s),
           jax.eval_shape(lambda: jax.random.key(0)))
   return Program(jit_sample(task, sample_cfg, mesh), args, mesh, "sample")
@@ -273,7 +207,7 @@ def program_for(config, num_devices: int, which: str = "train_step",
                 field: str = "devices") -> Program:
   """``train_program`` or ``sample_program`` of ``config`` on an abstract ``num_devices`` mesh."""
   validate.check_choice("program", which, ("train_step", "sample"))
-  if which == "sample" and config.task != "sit":
+  if which == "sample" and not tasks.get(config.task).samples:
     raise validate.not_allowed("program", which, f"only SiT samples; the config's task is "
                                f"{config.task!r}")
   check_abstract(config, which)

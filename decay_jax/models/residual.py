@@ -1,0 +1,187 @@
+"""The residual specification: how every block of a model adds its branch to the stream.
+
+Every transformer block here has two sublayers (attention, MLP). Sublayer ``s`` of block ``l``
+(``s = 0`` attention, ``1`` MLP) updates the float32 residual stream ``x (N, T, C)`` as::
+
+    x <- alpha_{l,s} * x + branch_scale * f_{l,s}(x)
+
+``alpha (depth, 2)`` are the identity coefficients (``decay_jax.models.schedules``: a linear or
+cosine decay from 1 to ``alpha_min`` over the sublayers or blocks, the paper's
+``x_{l+1} = alpha_l x_l + f(x_l)``) and ``branch_scale`` a Python float (1, or sqrt(1/2) for the
+``sqrt_half_*`` controls). ``alpha_min = 1`` with ``shortcut_form='decay'`` is the standard
+residual network ``x + f(x)``.
+
+``Residual`` is the one object that models and blocks take for this (``MaskedAutoencoder``,
+``SiT``, ``ViTClassifier`` and ``UViT`` each have one field ``residual``; the blocks a keyword
+``residual``). It holds the fields (the names of ``model.json`` and of the config's ``model``
+section, which both stay flat: ``fields()`` / ``from_fields``), checks them when built, and is
+the one place that
+
+  * computes the coefficients of a stack of ``depth`` blocks (``shortcuts(depth)``),
+  * creates them for a module (``coefficients(module, depth)``): a constant, or the trainable
+    parameter ``alpha (depth, 2)`` initialised from the schedule (``shortcut_form='learnable'``),
+  * applies the update (``update(x, alpha, branch)``; its sum is in ``x``'s dtype, float32).
+
+A new residual form (a new field or ``shortcut_form``) is added here (a new ``shortcut_form``
+value also to ``schedules.FORMS``) and in the blocks that read it (``models/blocks.py``,
+``uvit.UViTBlock``, ``routing.RoutedSiTBlock``); configs, ``model.json`` and the factory take the
+fields from ``fields()`` / ``from_fields``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Mapping, Optional, Tuple
+
+import jax.numpy as jnp
+
+from decay_jax import validate
+from decay_jax.models import schedules
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+  """The residual update of a model's blocks (see the module docstring for the equation).
+
+  Attributes:
+    alpha_min: the last identity coefficient of the schedule, in (0, 1]; 1 is the standard
+      residual network (the paper's ``alpha_min``; the official MAE's ``min_decay``, SiT's
+      ``min_sigma``).
+    schedule_convention: 'sublayer' (official: one coefficient per sublayer, ``2 depth`` in all)
+      or 'block' (the paper's equation: ``(alpha_l, 1)`` per block).
+    schedule_shape: 'linear' or 'cosine' (same end points).
+    shortcut_form: one of ``schedules.FORMS``: 'decay' (the method), 'learnable' (``alpha`` a
+      trained parameter), 'sqrt_half_both' / 'sqrt_half_f' (no schedule), 'attn_only' /
+      'mlp_only' (the schedule on one sublayer's identity).
+
+  Built specs are checked (one-line ``ValueError`` naming the field), hashable and immutable, so a
+  Flax module can hold one as a field.
+  """
+  alpha_min: float = 1.0
+  schedule_convention: str = "sublayer"
+  schedule_shape: str = "linear"
+  shortcut_form: str = "decay"
+
+  def __post_init__(self):
+    self.check()
+
+  def check(self) -> None:
+    """One-line errors for bad fields (``alpha_min=0.0 is not allowed; ...``)."""
+    validate.check_range("alpha_min", self.alpha_min, 0.0, 1.0, low_open=True)
+    validate.check_choice("schedule_convention", self.schedule_convention, schedules.CONVENTIONS)
+    validate.check_choice("schedule_shape", self.schedule_shape, schedules.SHAPES)
+    validate.check_choice("shortcut_form", self.shortcut_form, schedules.FORMS)
+
+  # ----- flat fields (model.json, configs) --------------------------------------------------------
+  def fields(self) -> dict:
+    """The fields as a flat dict, ``{'alpha_min': ..., 'schedule_convention': ..., ...}``."""
+    return {name: getattr(self, name) for name in NAMES}
+
+  @classmethod
+  def from_fields(cls, mapping: Mapping[str, Any],
+                  base: Optional["Residual"] = None) -> Tuple["Residual", dict]:
+    """``(spec, rest)``: the spec read off ``mapping`` and the entries that are not its fields.
+
+    The spec is ``base`` (default ``Residual()``, the model's own default where a model reads it)
+    with the flat fields of ``mapping`` (``alpha_min=...``) set; a ``residual`` entry that is a
+    ``Residual`` replaces ``base``, one that is a dict of fields is read as flat fields. An entry
+    ``residual`` of another type is left in ``rest`` for the model's check to name.
+    """
+    rest = dict(mapping)
+    spec = base if base is not None else cls()
+    nested = rest.pop("residual", None)
+    flat = {}
+    if isinstance(nested, Residual):
+      spec = nested
+    elif isinstance(nested, Mapping):
+      flat.update(nested)
+    elif nested is not None:
+      rest["residual"] = nested
+    flat.update({name: rest.pop(name) for name in NAMES if name in rest})
+    unknown = sorted(set(flat) - set(NAMES))
+    if unknown:
+      raise ValueError(f"unknown residual field(s) {unknown}; allowed: {list(NAMES)}")
+    return (dataclasses.replace(spec, **flat) if flat else spec), rest
+
+  # ----- the coefficients ------------------------------------------------------------------------
+  def shortcuts(self, depth: int) -> schedules.Shortcuts:
+    """The coefficients of ``depth`` blocks: ``alphas (depth, 2)`` float64 (attention, MLP
+    identity per block), ``branch_scale`` and ``learnable`` (cached in ``schedules``)."""
+    return schedules.shortcuts(depth, self.alpha_min, self.schedule_convention,
+                               self.schedule_shape, self.shortcut_form)
+
+  @property
+  def branch_scale(self) -> float:
+    """The factor on every branch ``f(x)``: a Python float, so it is part of the program."""
+    return schedules.branch_scale(self.shortcut_form)
+
+  def coefficients(self, module, depth: int):
+    """The identity coefficients ``alpha (depth, 2)`` float32 of ``module``'s ``depth`` blocks.
+
+    A constant of the program, or (``shortcut_form='learnable'``) ``module``'s trainable
+    parameter ``alpha``, initialised from the schedule. Call it from ``module``'s ``setup`` or a
+    compact method; it is the only place that creates ``alpha``.
+    """
+    sc = self.shortcuts(depth)
+    if sc.learnable:
+      return module.param("alpha", lambda _: jnp.asarray(sc.alphas, jnp.float32))
+    return jnp.asarray(sc.alphas, jnp.float32)
+
+  # ----- the update ------------------------------------------------------------------------------
+  def scale_branch(self, branch):
+    """``branch_scale * f(x)`` in the branch's own dtype (unchanged where the scale is 1)."""
+    if self.branch_scale != 1.0:
+      return self.branch_scale * branch
+    return branch
+
+  def update(self, x, alpha, branch):
+    """``alpha * x + branch_scale * f(x)`` for ``x, branch (N, T, C)`` and a scalar ``alpha``;
+    the branch is cast to ``x``'s dtype (the float32 residual stream) before the sum."""
+    return alpha * x + self.scale_branch(branch).astype(x.dtype)
+
+
+NAMES = tuple(f.name for f in dataclasses.fields(Residual))  # the flat keys, in order
+
+
+class HasResidual:
+  """Mixin of the models with a ``residual: Residual`` field.
+
+  Read-only flat views for callers that predate the spec: ``alpha_min``, ``schedule_convention``,
+  ``schedule_shape``, ``shortcut_form`` and ``shortcuts`` (the coefficients of the model's
+  ``depth`` blocks). The constructor also takes the flat names as keywords, folded into the
+  ``residual`` field (``SiT(alpha_min=0.7)`` is ``SiT(residual=Residual(alpha_min=0.7))``, the
+  other fields from the ``residual`` given or the class default), as ``model.json`` and the
+  configs spell them.
+  """
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)  # Flax makes the class a dataclass with its __init__ here
+    cls.__init__ = _accepting_flat_fields(cls.__init__)
+
+  alpha_min = property(lambda self: self.residual.alpha_min)
+  schedule_convention = property(lambda self: self.residual.schedule_convention)
+  schedule_shape = property(lambda self: self.residual.schedule_shape)
+  shortcut_form = property(lambda self: self.residual.shortcut_form)
+
+  @property
+  def shortcuts(self) -> schedules.Shortcuts:
+    return self.residual.shortcuts(self.depth)
+
+
+def _accepting_flat_fields(init):
+  @functools.wraps(init)
+  def __init__(self, *args, **kwargs):
+    if any(name in kwargs for name in NAMES) or isinstance(kwargs.get("residual"), Mapping):
+      default = type(self).__dataclass_fields__["residual"].default
+      spec, kwargs = Residual.from_fields(kwargs, default)
+      kwargs["residual"] = spec
+    init(self, *args, **kwargs)
+  return __init__
+
+
+def check_field(m) -> None:
+  """A model's ``residual`` must be a ``Residual`` (its fields were checked when it was built)."""
+  if not isinstance(m.residual, Residual):
+    raise validate.not_allowed("residual", m.residual,
+                               "it must be a decay_jax.models.residual.Residual")

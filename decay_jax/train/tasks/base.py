@@ -1,0 +1,119 @@
+"""What every task answers, with the defaults of pre-training, and the helpers the diffusion tasks
+share.
+
+The trainer, the lowering export, the memory report and the benchmark ask a task object (never
+its name) for:
+  * ``model`` and ``init_inputs(batch)``: the Flax module and the arguments of its ``init``;
+  * ``image_shape()``: one input image's ``(H, W, C)`` as the stream delivers it;
+  * ``prepare(batch, rng) -> batch``: every random number of a step (masks, noise, times, label
+    drops, erasing, Mixup/CutMix, drop-path draws) drawn for the whole batch, per example, before
+    the batch is split into microbatches; so accumulation changes nothing but summation order;
+  * ``loss(params, batch) -> (loss, metrics)``: the objective of a prepared (micro)batch, a mean
+    over its examples and deterministic given it;
+  * ``picture(params, batch, rng) -> uint8 (H, W, 3)``: an image grid for monitoring;
+  * ``train_flops_per_example()``: model FLOPs of one training example (forward + backward);
+  * ``make_optimizer(config, total_steps, warmup_steps) -> (tx, schedule)``;
+  * class-level: ``from_config(config, model, info)``, ``check_config(config)`` (one-line errors
+    for the task's own config sections), ``load_start(config, mesh)`` and ``start_params`` (the
+    pre-trained weights a run starts from), ``final_results(workdir)``, ``standin_channels`` (input
+    channels when the dataset is not read, for lowering and memory reports) and ``samples`` (whether
+    ``decay_jax.cli.sample`` and the sampler export take this task).
+Batches are dicts: ``image (N, H, W, C)`` and ``label (N,)`` int32; the train step turns uint8
+images into the model's float input with the task's ``mean``/``std`` before ``prepare``
+(``decay_jax.data.on_device``), and ``picture`` does the same with its batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from decay_jax import plots
+from decay_jax.data import pipeline
+from decay_jax.train import optim
+
+
+class Task:
+  """Defaults shared by the tasks; a task overrides what differs."""
+  name = ""
+  picture_needs_batch = True
+  picture_name = "picture"
+  standin_channels = 3  # RGB images
+  samples = False  # only SiT has the sample command and the sampler export
+
+  def __init__(self, model, mean=(0.0,), std=(1.0,)):
+    self.model = model
+    self.mean, self.std = mean, std
+
+  @classmethod
+  def from_config(cls, config, model, info: Dict[str, Any]) -> "Task":
+    """The task of a training config over ``model``; ``info`` is ``pipeline.dataset_info``.
+    Its constructor takes the model, the config sections of ``sections`` and the data's
+    normalisation."""
+    mean, std = pipeline.normalization(config.data, info["channels"])
+    return cls(model, *cls.sections(config), mean=mean, std=std)
+
+  @classmethod
+  def sections(cls, config) -> Tuple[Any, ...]:
+    """The config sections the task's constructor takes after the model (none by default)."""
+    del config
+    return ()
+
+  @classmethod
+  def check_config(cls, config) -> None:
+    """One-line ValueErrors for the task's own config sections (none by default)."""
+
+  @classmethod
+  def load_start(cls, config, mesh) -> Optional[Tuple[Any, Any]]:
+    """``(model, params)`` a run starts from before its first step, or None (random init)."""
+    del config, mesh
+    return None
+
+  def start_params(self, params, start) -> Any:
+    """The first step's parameters from freshly initialised ``params`` and ``load_start``'s pair."""
+    del start
+    return params
+
+  def image_shape(self) -> Tuple[int, int, int]:
+    m = self.model
+    return (m.img_size, m.img_size, m.in_chans)
+
+  def make_optimizer(self, config, total_steps: int, warmup_steps: int):
+    """``(optax transformation, lr schedule)``: pre-training's AdamW (``train.optim``)."""
+    return optim.make_optimizer(config.optim, config.batch_size, total_steps, warmup_steps)
+
+  @classmethod
+  def final_results(cls, workdir: str) -> Dict[str, float]:
+    """Extra entries of the run's ``results.json`` read from its logs (none by default)."""
+    del workdir
+    return {}
+
+
+def loss_by_time(per_example, t, buckets: int = 4) -> Dict[str, jax.Array]:
+  """Mean loss per quarter of the time interval: ``per_example (N,)``, ``t (N,)`` in [0, 1]."""
+  bucket = jnp.clip((t * buckets).astype(jnp.int32), 0, buckets - 1)
+  out = {}
+  for b in range(buckets):
+    w = (bucket == b).astype(jnp.float32)
+    out[f"loss_by_t/{b / buckets:.2f}-{(b + 1) / buckets:.2f}"] = (
+        (per_example * w).sum() / jnp.maximum(w.sum(), 1.0))
+  return out
+
+
+def sample_grid(task, params, rng, n: int):
+  """``(images, labels, uint8 grid)``: ``n`` samples of a diffusion task from noise drawn from
+  ``rng`` with labels ``0, 1, 2, ...`` (ignored by unconditional models), rows of ``ceil(sqrt n)``."""
+  noise = jax.random.normal(rng, (n,) + task.image_shape())
+  labels = jnp.arange(n) % task.num_labels
+  if task._sample_fn is None:  # pylint: disable=protected-access
+    task._sample_fn = jax.jit(task.sample)  # pylint: disable=protected-access
+  images = np.asarray(task._sample_fn(params, noise, labels, jax.random.fold_in(rng, 1)))  # pylint: disable=protected-access
+  cols = int(np.ceil(np.sqrt(n)))
+  rows = [plots.to_uint8(images[i:i + cols], task.mean, task.std) for i in range(0, n, cols)]
+  if rows[-1].shape[0] < cols:  # pad the last row with white tiles
+    pad = np.full((cols - rows[-1].shape[0],) + rows[-1].shape[1:], 255, np.uint8)
+    rows[-1] = np.concatenate([rows[-1], pad])
+  return images, labels, plots.image_grid(rows)

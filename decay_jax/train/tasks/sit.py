@@ -1,0 +1,127 @@
+"""Flow-matching training of SiT (docs/official_code.md 5.1) and its samplers."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from decay_jax import plots
+from decay_jax.diffusion import samplers
+from decay_jax.diffusion import transport as transport_lib
+from decay_jax.models import flops, routing
+from decay_jax.models import sit as sit_lib
+from decay_jax.train.tasks import base
+
+
+class SiTTask(base.Task):
+  """Flow-matching training of SiT through ``decay_jax.diffusion.transport`` (docs/official_code.md 5.1).
+
+  Default (official) transport: linear path ``x_t = t x_1 + (1 - t) x_0`` with ``x_0 ~ N(0, I)``
+  noise and ``x_1`` data, ``t ~ U[0, 1]``, velocity target ``x_1 - x_0``; labels are dropped to the
+  null class with probability ``class_dropout_prob`` (classifier-free guidance training).
+  Metrics include the loss per quarter of the time interval.
+  """
+  name = "sit"
+  picture_needs_batch = False  # samples from fixed noise
+  picture_name = "samples"
+  standin_channels = 4  # SiT trains on VAE latents when its dataset is not in memory
+  samples = True
+
+  def __init__(self, model: sit_lib.SiT, transport_cfg=None, sample_cfg=None, mean=(0.0,),
+               std=(1.0,)):
+    super().__init__(model, mean, std)
+    self.transport = transport_lib.Transport(**dict(transport_cfg or {}))
+    self.sample_cfg = sample_cfg
+    self._sample_fn = None
+
+  @classmethod
+  def sections(cls, config):
+    return (config.transport.to_dict(), config.sample)
+
+  def init_inputs(self, batch: int):
+    return (jnp.zeros((batch,) + self.image_shape(), jnp.float32),
+            jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), jnp.int32))
+
+  def image_shape(self) -> Tuple[int, int, int]:
+    """One sample's ``(H, W, C)``."""
+    m = self.model
+    return (m.input_size, m.input_size, m.in_channels)
+
+  @property
+  def num_labels(self) -> int:
+    """Labels to sample from (the null class, index ``num_classes``, is not one)."""
+    return self.model.num_classes
+
+  def prepare(self, batch, rng):
+    """Adds the times ``t (N,)``, the noise ``x0`` (like the image) and the classifier-free
+    guidance label drops ``drop (N,)`` int32 (1: replaced by the null class)."""
+    x1 = batch["image"]
+    k_t, k_noise, k_drop = jax.random.split(rng, 3)
+    drop = jax.random.uniform(k_drop, x1.shape[:1]) < self.model.class_dropout_prob
+    return dict(batch, t=self.transport.sample_time(k_t, x1.shape[0]),
+                x0=jax.random.normal(k_noise, x1.shape), drop=drop.astype(jnp.int32))
+
+  def loss(self, params, batch):
+    x1, y, t = batch["image"], batch["label"], batch["t"]
+    model_fn = lambda x, tt, y: self.model.apply({"params": params}, x, tt, y, train=True,
+                                                 force_drop_ids=batch["drop"])
+    per_example = self.transport.loss(model_fn, x1, batch["x0"], t, y=y)
+    loss = per_example.mean()
+    return loss, dict(base.loss_by_time(per_example, t), loss=loss)
+
+  def sample(self, params, noise, labels, rng, cfg=None):
+    """Images from noise ``(N, H, W, C)`` and labels ``(N,)`` with the sampler of ``cfg``
+    (default: this task's ``sample_cfg``). Classifier-free guidance when ``cfg_scale != 1``."""
+    c = cfg or self.sample_cfg
+    m = self.model
+    model_fn = lambda x, t, y: m.apply({"params": params}, x, t, y)
+    if c.cfg_scale != 1.0:
+      lo, hi = c.cfg_interval
+      model_fn = samplers.cfg_model_fn(model_fn, c.cfg_scale, m.num_classes,
+                                       channels=c.cfg_channels or None,
+                                       interval=None if (lo, hi) == (0.0, 1.0) else (lo, hi))
+    kwargs = {"y": labels}
+    if c.mode == "ode":
+      return samplers.sample_ode(self.transport, model_fn, noise, kwargs, method=c.method,
+                                 num_steps=c.num_steps, atol=c.atol, rtol=c.rtol)
+    return samplers.sample_sde(self.transport, model_fn, noise, rng, kwargs, method=c.method,
+                               diffusion_form=c.diffusion_form, diffusion_norm=c.diffusion_norm,
+                               last_step=c.last_step, last_step_size=c.last_step_size,
+                               num_steps=c.num_steps)
+
+  def picture(self, params, batch, rng, num: Optional[int] = None, live=None) -> np.ndarray:
+    """A grid of samples from fixed noise (from ``rng``) and labels ``0, 1, 2, ...``; for a routed
+    model, with the heat-map of its routing weights on these samples noised to t = 0.1, 0.5, 0.9.
+
+    ``params`` sample (the EMA in training); the heat-map reads ``live`` (the trained weights, when
+    given): an EMA of 0.999 or 0.9999 keeps the routing near its uniform start for thousands of
+    steps, while the trained weights show where the routing is heading."""
+    m = self.model
+    images, labels, picture = base.sample_grid(self, params, rng, num or self.sample_cfg.grid_size)
+    if m.residual_routing in routing.ROUTED:  # routing weights per sublayer, next to the samples
+      return plots.side_by_side(picture, routing_picture(
+          m, params if live is None else live, self.transport, images, labels,
+          jax.random.fold_in(rng, 2)))
+    return picture
+
+  def train_flops_per_example(self) -> float:
+    return 3.0 * flops.sit_forward_flops(self.model)
+
+
+def routing_picture(model, params, transport, images, labels, rng,
+                    times: Sequence[float] = (0.1, 0.5, 0.9)) -> np.ndarray:
+  """Heat-map of the mean routing weights on ``x_t`` of ``images (N, H, W, C)`` (data, t = 1) and
+  fresh noise at each of ``times``, labels ``(N,)``."""
+  noise = jax.random.normal(rng, images.shape)
+  fn = jax.jit(lambda p, x, t, y: model.apply({"params": p}, x, t, y, mutable=["intermediates"])[1])
+  panels = []
+  for tv in times:
+    t = jnp.full((images.shape[0],), tv, jnp.float32)
+    _, xt, _ = transport.plan(images, noise, t)
+    panels.append((f"t = {tv:g}", routing.weights_from_state(model, fn(params, xt, t, labels))))
+  return plots.weight_heatmap(panels, f"routing weights: {model.residual_routing}"
+                 + (f", decay {model.routing_decay} (alpha_min {model.alpha_min:g})"
+                    if model.alpha_min < 1 else ""))

@@ -1,0 +1,220 @@
+"""The residual spec (models/residual.py): fields, checks, the update, the alpha parameter, and
+params directories written before it (tests/fixtures/model_json_v1) loading unchanged."""
+
+import dataclasses
+import json
+import math
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from decay_jax.models import factory, residual, schedules
+from decay_jax.models import mae as mae_lib
+from decay_jax.models import sit as sit_lib
+from decay_jax.models import uvit as uvit_lib
+from decay_jax.models import vit as vit_lib
+from decay_jax.models.residual import Residual
+from decay_jax.train import checkpoint
+from decay_jax.train import config as config_lib
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "model_json_v1"
+
+
+# ----- params directories written by the code before the spec -------------------------------------
+
+def _load(name, tmp_path):
+  # A copy: orbax may write beside what it reads, and the fixture stays untouched.
+  shutil.copytree(FIXTURES / name, tmp_path / name)
+  model, params = checkpoint.load_params(str(tmp_path / name))
+  stored = json.loads((FIXTURES / name / "model.json").read_text())
+  expected = json.loads((FIXTURES / name / "expected.json").read_text())
+  return model, params, stored, expected
+
+
+def _close(got, want):
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want, np.float32), rtol=1e-5, atol=1e-6)
+
+
+def test_mae_params_dir_written_before_the_spec_loads_and_computes_the_same(tmp_path):
+  model, params, stored, expected = _load("mae", tmp_path)
+  assert type(model) is mae_lib.MaskedAutoencoder
+  assert model.residual == Residual(alpha_min=0.6, schedule_shape="cosine",
+                                    shortcut_form="learnable")
+  assert factory.model_fields(model) == stored["fields"]  # the same flat model.json, same order
+  assert list(factory.model_fields(model)) == list(stored["fields"])
+  # The learnable alpha is the stored parameter 'alpha', not the schedule it started from.
+  assert params["alpha"].shape == (2, 2)
+  assert not np.allclose(params["alpha"], schedules.decay_schedule(2, 0.6, shape="cosine"))
+  inp = {k: jnp.asarray(v, jnp.float32) for k, v in expected["inputs"].items()}
+  out = model.apply({"params": params}, inp["imgs"], inp["noise"])
+  feats = model.apply({"params": params}, inp["imgs"], method=model.features)
+  _close(out["loss"], expected["outputs"]["loss"])
+  _close(out["pred"], expected["outputs"]["pred"])
+  _close(feats, expected["outputs"]["features"])
+
+
+def test_sit_params_dir_written_before_the_spec_loads_and_computes_the_same(tmp_path):
+  model, params, stored, expected = _load("sit", tmp_path)
+  assert type(model) is sit_lib.SiT
+  assert model.residual == Residual(alpha_min=0.8, schedule_convention="block",
+                                    shortcut_form="attn_only")
+  assert list(factory.model_fields(model).items()) == list(stored["fields"].items())
+  inp = expected["inputs"]
+  out = model.apply({"params": params}, jnp.asarray(inp["x"], jnp.float32),
+                    jnp.asarray(inp["t"], jnp.float32), jnp.asarray(inp["y"], jnp.int32))
+  _close(out, expected["outputs"]["out"])
+
+
+def test_uvit_model_json_written_before_the_spec_round_trips():
+  stored = json.loads((FIXTURES / "uvit" / "model.json").read_text())
+  model = factory.model_from_fields(stored["class"], stored["fields"])
+  assert model.residual == Residual(alpha_min=0.5, shortcut_form="sqrt_half_f")
+  assert not model.zero_init_branches and model.mode == "decayed"
+  assert list(factory.model_fields(model).items()) == list(stored["fields"].items())
+  assert model.shortcuts.branch_scale == math.sqrt(0.5)
+
+
+def test_model_from_fields_reads_a_nested_residual_and_fills_missing_fields_from_the_class():
+  nested = factory.model_from_fields("SiT", {"depth": 4, "residual": {"shortcut_form": "mlp_only"}})
+  assert nested.residual == Residual(alpha_min=0.8, shortcut_form="mlp_only")  # SiT's default
+  flat = factory.model_from_fields("UViT", {"alpha_min": 0.9})
+  assert flat.residual == Residual(alpha_min=0.9)
+  assert factory.model_from_fields("UViT", {}).residual == Residual(alpha_min=0.7)
+  with pytest.raises(ValueError, match=r"unknown residual field\(s\) \['alpha'\]"):
+    factory.model_from_fields("SiT", {"residual": {"alpha": 0.5}})
+
+
+# ----- the spec -----------------------------------------------------------------------------------
+
+def test_fields_round_trip_and_defaults_per_model():
+  spec = Residual(alpha_min=0.6, schedule_convention="block", schedule_shape="cosine",
+                  shortcut_form="mlp_only")
+  assert spec.fields() == dict(alpha_min=0.6, schedule_convention="block",
+                               schedule_shape="cosine", shortcut_form="mlp_only")
+  assert tuple(spec.fields()) == residual.NAMES
+  again, rest = Residual.from_fields(dict(spec.fields(), dim=8))
+  assert again == spec and rest == {"dim": 8}
+  assert hash(again) == hash(spec)
+  assert Residual.from_fields({"alpha_min": 0.5}, base=spec)[0] == dataclasses.replace(
+      spec, alpha_min=0.5)
+  assert Residual.from_fields({"residual": spec, "alpha_min": 0.5})[0].alpha_min == 0.5
+  assert mae_lib.MaskedAutoencoder().residual == Residual()
+  assert vit_lib.ViTClassifier(num_classes=3).residual == Residual()
+  assert sit_lib.SiT().residual == Residual(alpha_min=0.8)
+  assert uvit_lib.UViT().residual == Residual(alpha_min=0.7)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(alpha_min=0.0), r"alpha_min=0.0 is not allowed; it must be a number in \(0, 1\]"),
+    (dict(alpha_min=True), r"alpha_min=True is not allowed"),
+    (dict(schedule_convention="x"), "schedule_convention='x' is not allowed; choose one of"),
+    (dict(schedule_shape="step"), "schedule_shape='step' is not allowed"),
+    (dict(shortcut_form="rezero"), "shortcut_form='rezero' is not allowed; choose one of 'decay'"),
+])
+def test_bad_fields_fail_when_the_spec_is_built(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    Residual(**kwargs)
+
+
+def test_a_model_refuses_a_residual_that_is_not_a_spec():
+  with pytest.raises(ValueError, match=r"residual=0.7 is not allowed; it must be a "
+                                       r"decay_jax.models.residual.Residual"):
+    sit_lib.SiT(residual=0.7)
+
+
+def test_flat_keywords_fold_into_the_spec_with_the_model_defaults():
+  """Callers that predate the spec (converters, config files) keep the flat names."""
+  assert sit_lib.SiT(shortcut_form="learnable").residual == Residual(0.8, shortcut_form="learnable")
+  assert sit_lib.SiT(alpha_min=0.7) == sit_lib.SiT(residual=Residual(alpha_min=0.7))
+  m = mae_lib.mae("micro/4", residual=Residual(alpha_min=0.6), schedule_shape="cosine")
+  assert m.residual == Residual(alpha_min=0.6, schedule_shape="cosine")
+  assert (m.alpha_min, m.schedule_convention, m.schedule_shape, m.shortcut_form) == (
+      0.6, "sublayer", "cosine", "decay")
+  np.testing.assert_array_equal(m.shortcuts.alphas,
+                                schedules.decay_schedule(m.depth, 0.6, shape="cosine"))
+  with pytest.raises(AttributeError):
+    m.alpha_min = 0.5  # read-only views
+
+
+def test_update_is_alpha_x_plus_scaled_branch_summed_in_float32():
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((2, 3, 4)), jnp.float32)
+  branch = jnp.asarray(rng.standard_normal((2, 3, 4)), jnp.bfloat16)
+  for form, scale in (("decay", 1.0), ("sqrt_half_f", math.sqrt(0.5))):
+    spec = Residual(alpha_min=0.5, shortcut_form=form)
+    assert spec.branch_scale == scale
+    got = spec.update(x, 0.75, branch)
+    scaled = branch if scale == 1.0 else scale * branch  # in the branch's dtype, then cast
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(got, 0.75 * x + scaled.astype(jnp.float32))
+
+
+class _Holder:
+  """What ``coefficients`` needs of a module: ``param``."""
+
+  def __init__(self):
+    self.params = {}
+
+  def param(self, name, init):
+    self.params[name] = init(None)
+    return self.params[name]
+
+
+def test_coefficients_are_a_constant_or_the_learnable_parameter_alpha():
+  fixed, held = Residual(alpha_min=0.6).coefficients(_Holder(), 3), _Holder()
+  learned = Residual(alpha_min=0.6, shortcut_form="learnable").coefficients(held, 3)
+  want = schedules.decay_schedule(3, 0.6).astype(np.float32)
+  np.testing.assert_array_equal(fixed, want)
+  np.testing.assert_array_equal(learned, want)
+  assert list(held.params) == ["alpha"] and learned.dtype == jnp.float32
+
+
+def test_learnable_alpha_keeps_its_parameter_name_in_every_model():
+  for model, args in (
+      (mae_lib.mae("micro/4", residual=Residual(0.6, shortcut_form="learnable")),
+       (jnp.zeros((1, 16, 16, 3)), jnp.zeros((1, 16)))),
+      (sit_lib.sit("micro/2", input_size=8, num_classes=10,
+                   residual=Residual(shortcut_form="learnable")),
+       (jnp.zeros((1, 8, 8, 4)), jnp.zeros((1,)), jnp.zeros((1,), jnp.int32))),
+      (uvit_lib.uvit("tiny/4", depth=2, residual=Residual(shortcut_form="learnable")),
+       (jnp.zeros((1, 32, 32, 3)), jnp.zeros((1,))))):
+    params = jax.eval_shape(model.init, jax.random.key(0), *args)["params"]
+    assert params["alpha"].shape == model.shortcuts.alphas.shape
+
+
+def test_uvit_original_mode_gives_the_blocks_the_plain_residual():
+  m = uvit_lib.UViT(residual=Residual(alpha_min=0.5, shortcut_form="sqrt_half_both"),
+                    mode="uvit_original")
+  assert m.block_residual == Residual() and m.alpha_min == 0.5
+  assert np.all(m.shortcuts.alphas == 1.0) and m.shortcuts.branch_scale == 1.0
+
+
+# ----- configs and the factory --------------------------------------------------------------------
+
+def test_every_config_holds_every_residual_field_flat():
+  for make, alpha_min in ((config_lib.mae_config, 0.7), (config_lib.finetune_config, 1.0),
+                          (config_lib.sit_config, 0.8), (config_lib.uvit_config, 0.7)):
+    model = make().model
+    assert {k: model[k] for k in residual.NAMES} == Residual(alpha_min=alpha_min).fields()
+
+
+def test_build_model_builds_one_spec_and_finetuning_takes_the_pretrained_spec():
+  assert set(factory.BUILDERS) == {"mae", "sit", "finetune", "uvit"}
+  config = config_lib.mae_config()
+  config.model.preset = "micro/4"
+  config.model.shortcut_form = "attn_only"
+  info = dict(image_size=16, channels=1, num_classes=10)
+  pretrained = factory.build_model(config, info)
+  assert pretrained.residual == Residual(alpha_min=0.7, shortcut_form="attn_only")
+  ft = config_lib.finetune_config()
+  ft.model.preset = "micro/4"
+  classifier = factory.build_model(ft, info, pretrained=pretrained)
+  assert classifier.residual is pretrained.residual  # the object, not a copied field list
+  bad = config_lib.sit_config()
+  bad.model.schedule_shape = "step"
+  with pytest.raises(ValueError, match="^model.schedule_shape='step' is not allowed"):
+    factory.build_model(bad, dict(image_size=8, channels=4, num_classes=10))
