@@ -1,37 +1,46 @@
-"""One line and exit status 2 for bad command-line input, before anything is compiled.
+"""One line and an exit status for bad command-line input and for runtime failures.
 
 absl and ml_collections report a missing ``--config`` file as a multi-line ``OSError`` raised on
 first use, a misspelt ``--config.x`` override as a ``KeyError`` traceback, and a flag error as a
 ``FATAL`` line plus usage advice. ``run(main)`` replaces their flag parser with one that turns each
 of these into ``error: --FLAG...: what is wrong and what is expected`` on stderr and exit 2, and
 turns the input errors that escape ``main`` (``train.checkpoint.CheckpointError``: a missing,
-unreadable or corrupt checkpoint, wherever it is read) into the same single line. Other exceptions
-keep their traceback: they are bugs, not bad input.
+unreadable or corrupt checkpoint, wherever it is read) into the same single line.
+
+Runtime failures (``train.failures``: divergence, a workdir held by another run, a full disk or
+quota, an unreachable object store, SIGTERM outside the train loop) are printed the same way, each
+with its own exit status (3, 73, 74, 75, 143; the table is in ``train/failures.py`` and
+docs/training.md). An exception whose cause is a full disk or an unreachable server is one of them
+wherever it was raised. Other exceptions keep their traceback: they are bugs, not bad input.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
-from typing import Callable, List, NoReturn
+from typing import Callable, List, NoReturn, Optional
 
 from absl import app, flags
+from absl import logging as absl_logging
 from ml_collections.config_flags import config_flags
 
 from decay_jax import logs
-from decay_jax.data.loader import InputError
+from decay_jax.train import failures
 from decay_jax.train.checkpoint import CheckpointError
+from decay_jax.validate import InputError
 
 FLAGS = flags.FLAGS
 MAX_CHARS = 300
+RUNTIME_MAX_CHARS = 600  # a runtime failure's line lists checkpoints and paths: let it be whole
 _DID_YOU_MEAN = re.compile(r'Did you mean "([^"]+)" instead of "([^"]+)"')
 
 
-def one_line(text) -> str:
-  """``text`` with its whitespace (newlines included) collapsed, cut to ``MAX_CHARS``."""
+def one_line(text, limit: int = MAX_CHARS) -> str:
+  """``text`` with its whitespace (newlines included) collapsed, cut to ``limit`` characters."""
   line = " ".join(str(text).split())
-  return line if len(line) <= MAX_CHARS else line[:MAX_CHARS - 3] + "..."
+  return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def fail(message) -> NoReturn:
@@ -100,20 +109,68 @@ def parse_flags(argv: List[str]) -> List[str]:
   return rest
 
 
+class _ReportedElsewhere(logging.Filter):
+  """Drops the library log records that repeat, with a traceback, a failure that reaches ``main``
+  anyway (printed there as one line, or with its traceback if it is a bug): orbax's reports of
+  the writer threads of a save that failed, gcsfs's "out of retries"."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.exc_info and ("/orbax/" in record.pathname
+                                     or "/gcsfs/" in record.pathname))
+
+
+def _quiet_reported() -> None:
+  handlers = [absl_logging.get_absl_handler()] + logging.getLogger().handlers
+  for h in handlers:
+    if not any(isinstance(f, _ReportedElsewhere) for f in h.filters):
+      h.addFilter(_ReportedElsewhere())
+
+
+def _stop(status: int) -> NoReturn:
+  """Ends the process now: the one line is out; what other threads might still print (reads and
+  writes in flight after a failure) is not, and none of them is waited for."""
+  for handler in [absl_logging.get_absl_handler()] + logging.getLogger().handlers:
+    handler.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+  os._exit(status)  # pylint: disable=protected-access
+
+
+def report(e: BaseException) -> Optional[int]:
+  """Prints ``error: <one line>`` for an exception that is bad input or a runtime failure and
+  returns its exit status; None for anything else (a bug: it keeps its traceback)."""
+  if isinstance(e, (CheckpointError, InputError)):
+    print(f"error: {one_line(e)}", file=sys.stderr)
+    return 2
+  if isinstance(e, failures.Terminated):
+    e = failures.Stopped("stopped by SIGTERM")
+  if not isinstance(e, failures.RunFailure):
+    e = failures.from_exception(e)
+    if e is None:
+      return None
+  print(f"error: {one_line(e, RUNTIME_MAX_CHARS)}", file=sys.stderr)
+  return e.status
+
+
 def run(main: Callable[[List[str]], int]) -> None:
-  """``absl.app.run(main)`` with the one-line flag errors of ``parse_flags``, and a checkpoint or an
+  """``absl.app.run(main)`` with the one-line flag errors of ``parse_flags``; a checkpoint or an
   input file that cannot be read (or an input worker that died) printed as one line with exit
-  status 2."""
+  status 2; a runtime failure (``train.failures``) printed as one line with its own status."""
 
   def guarded(argv):
     try:
       status = main(argv)
-    except (CheckpointError, InputError) as e:
-      print(f"error: {one_line(e)}", file=sys.stderr)
-      status = 2
+    except (Exception, failures.Terminated) as e:  # pylint: disable=broad-except
+      status = report(e)
+      if status is None:
+        raise  # a bug: its traceback
+      if status != 2:
+        _stop(status)
     if status == 2:
       logs.exit_with(2)  # bad input: the one line is out; stray tracebacks are not
     return status
 
   logs.quiet_failed_reads()
+  _quiet_reported()
   app.run(guarded, flags_parser=parse_flags)
