@@ -29,7 +29,10 @@ TRAIN_CONFIGS = ([(name, None) for name in ("mae_vit_b16", "mae_vit_l16", "mae_v
                                             "sit_xl2", "finetune_vit_b16", "finetune_vit_l16",
                                             "finetune_vit_h14", "uvit_s2_cifar100",
                                             "uvit_m4_imagenet")]
-                 + [("sit_s2_routing", row) for row in ROUTING_ROWS])
+                 + [("sit_s2_routing", row) for row in ROUTING_ROWS]
+                 # the residual forms with trained branch gains (docs/residual_forms.md)
+                 + [(name, f"branch_gain={gain}") for name in ("mae_vit_b16", "sit_xl2")
+                    for gain in ("layerscale", "rezero")])
 # The sample command's default sampler (config.sample: ODE heun, CFG 4) per SiT size and for a
 # routed model, and the SDE sampler of its docstring.
 SAMPLE_CONFIGS = [("sit_b2", None, None), ("sit_xl2", None, None),
@@ -43,7 +46,13 @@ SHARDING = re.compile(r"sdy\.sharding = #sdy\.sharding<@mesh, (\[.*?\])>")
 
 
 def load_config(name, row=None):
+  """A config file's config; ``row``: its row (sit_s2_routing.py) or a ``FIELD=VALUE`` of the model."""
   get_config = runpy.run_path(os.path.join(REPO, "configs", f"{name}.py"))["get_config"]
+  if row and "=" in row:
+    config = get_config()
+    field, value = row.split("=")
+    config.model[field] = value
+    return config
   return get_config(row) if row else get_config()
 
 

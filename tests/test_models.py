@@ -240,13 +240,13 @@ def test_sqrt_half_forms_scale_identity_and_branch(monkeypatch):
   # Branch: every update receives branch_scale sqrt(1/2) (a static Python float).
   scales = []
 
-  original = Residual.update
+  original = Residual.branch
 
-  def spy(residual, x, alpha, branch):
+  def spy(residual, module, name, f):
     scales.append(residual.branch_scale)
-    return original(residual, x, alpha, branch)
+    return original(residual, module, name, f)
 
-  monkeypatch.setattr(Residual, "update", spy)
+  monkeypatch.setattr(Residual, "branch", spy)
   s = sit_lib.sit("micro/2", input_size=8, num_classes=10,
                   residual=Residual(shortcut_form="sqrt_half_f"))
   jax.eval_shape(s.init, jax.random.key(0), *sit_inputs(s))

@@ -208,3 +208,12 @@ def check_table(state_dict: Mapping, key: str, expected: np.ndarray) -> None:
   if err > POS_EMBED_ATOL:
     raise ConversionError(f"{key}: differs from the 2-D sin-cos table by {err:.2e} (> "
                           f"{POS_EMBED_ATOL}); this is not an official checkpoint layout")
+
+
+def check_branch_gains(model, where: str) -> None:
+  """Refuses, in one line, a model whose blocks carry trained branch gains (LayerScale, ReZero):
+  ``where`` (the official models, U-ViT) has no parameters to hold them."""
+  gain = model.residual.branch_gain
+  if gain != "none":
+    raise ConversionError(f"branch_gain={gain!r} has no counterpart in {where} (its gains are "
+                          "parameters that layout has no place for)")

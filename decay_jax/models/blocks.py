@@ -21,15 +21,16 @@ from decay_jax.models.layers import Dtype
 from decay_jax.models.residual import Residual
 
 
-def sow_branch_norms(module: nn.Module, name: str, x, alpha, branch, residual: Residual) -> None:
-  """Records ``(mean_t ||branch_scale f(x)_t||, mean_t ||alpha x_t||)`` per example, ``(N, 2)``.
+def sow_branch_norms(module: nn.Module, name: str, x, alpha, branch) -> None:
+  """Records ``(mean_t ||branch_t||, mean_t ||alpha x_t||)`` per example, ``(N, 2)``, where
+  ``branch`` is what is added (``Residual.branch``: ``g * branch_scale * f(x)``).
 
   Only when the caller made ``'intermediates'`` mutable (``decay_jax.evals.branches``); otherwise
   nothing is computed, so training and the parity tests see exactly the same program.
   """
   if not module.is_mutable_collection("intermediates"):
     return
-  f = jnp.linalg.norm(residual.scale_branch(branch).astype(jnp.float32), axis=-1).mean(axis=-1)
+  f = jnp.linalg.norm(branch.astype(jnp.float32), axis=-1).mean(axis=-1)
   ident = jnp.linalg.norm((alpha * x).astype(jnp.float32), axis=-1).mean(axis=-1)
   module.sow("intermediates", name, jnp.stack([f, ident], axis=-1))
 
@@ -49,8 +50,8 @@ def drop_path(module: nn.Module, branch, rate, u=None):
 class MAEBlock(nn.Module):
   """Pre-norm ViT block of the official decayed MAE (docs/official_code.md 1.5).
 
-  ``x <- a_attn x + s Attn(LN1(x)); x <- a_mlp x + s MLP(LN2(x))`` (``residual.update``, ``s`` its
-  ``branch_scale``) with affine LN (eps 1e-6), qkv bias, exact-erf GELU, and ``attn.proj`` /
+  ``x <- a_attn x + g s Attn(LN1(x)); x <- a_mlp x + g s MLP(LN2(x))`` (``residual.branch`` and
+  ``residual.add``: ``s`` its ``branch_scale``, ``g`` its trained gain, 1 without one) with affine LN (eps 1e-6), qkv bias, exact-erf GELU, and ``attn.proj`` /
   ``mlp.fc2`` weights zero-initialised. Input ``(N, T, C)``, ``alpha (2,)``; output ``(N, T, C)``.
   The MAE decoder's blocks take the default ``Residual()`` with ``alpha = (1, 1)``: ``x + f(x)``.
   With ``'intermediates'`` mutable it also sows ``attn_norms`` and ``mlp_norms``, each ``(N, 2)``:
@@ -70,19 +71,22 @@ class MAEBlock(nn.Module):
   def __call__(self, x, alpha, drop_rate=0.0, drop_u=None):
     c = x.shape[-1]
     h = layers.layer_norm("norm1")(x)
-    h = layers.Attention(self.num_heads, self.dtype, proj_init=layers.zeros,
+    last_init = layers.zeros if self.residual.zero_branch_init else layers.xavier_uniform
+    h = layers.Attention(self.num_heads, self.dtype, proj_init=last_init,
                          implementation=self.attention_impl, name="attn")(h)
     if self.stochastic_depth:
       h = drop_path(self, h, drop_rate, None if drop_u is None else drop_u[:, 0])
-    sow_branch_norms(self, "attn_norms", x, alpha[0], h, self.residual)
-    x = self.residual.update(x, alpha[0], h)
+    h = self.residual.branch(self, "attn", h)
+    sow_branch_norms(self, "attn_norms", x, alpha[0], h)
+    x = self.residual.add(x, alpha[0], h)
     h = layers.layer_norm("norm2")(x)
     h = layers.Mlp(int(c * self.mlp_ratio), approximate_gelu=False, dtype=self.dtype,
-                   fc2_init=layers.zeros, name="mlp")(h)
+                   fc2_init=last_init, name="mlp")(h)
     if self.stochastic_depth:
       h = drop_path(self, h, drop_rate, None if drop_u is None else drop_u[:, 1])
-    sow_branch_norms(self, "mlp_norms", x, alpha[1], h, self.residual)
-    x = self.residual.update(x, alpha[1], h)
+    h = self.residual.branch(self, "mlp", h)
+    sow_branch_norms(self, "mlp_norms", x, alpha[1], h)
+    x = self.residual.add(x, alpha[1], h)
     return x, x
 
 
@@ -96,7 +100,8 @@ class SiTBlock(nn.Module):
 
   Decoder blocks first add ``skip(s)`` (a Linear of the mirrored encoder output, no decay), then
   ``x <- a0 x + g_msa * Attn(mod(LN(x))); x <- a1 x + g_mlp * MLP(mod(LN(x)))`` (each through
-  ``residual.update``, which also scales the gated branch by its ``branch_scale``) with the adaLN
+  ``residual.branch`` and ``residual.add``, which also scale the gated branch by ``branch_scale`` and
+  the spec's trained gain, if any) with the adaLN
   output of ``SiLU(c)`` chunked as (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp).
   LN has no affine parameters; GELU is the tanh form; adaLN is zero-initialised.
 
@@ -119,15 +124,17 @@ class SiTBlock(nn.Module):
                        bias_init=layers.zeros, name="skip")(s).astype(x.dtype)
     else:
       alpha = xs
-    mod = nn.Dense(6 * dim, dtype=self.dtype, kernel_init=layers.zeros, bias_init=layers.zeros,
+    # adaLN-Zero (zero gates at init), or a random init when ReZero's gain is the zero instead.
+    mod_init = layers.zeros if self.residual.zero_branch_init else layers.xavier_uniform
+    mod = nn.Dense(6 * dim, dtype=self.dtype, kernel_init=mod_init, bias_init=layers.zeros,
                    name="adaLN_modulation")(nn.silu(c)).astype(jnp.float32)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = jnp.split(mod, 6, axis=-1)
     h = modulate(layers.layer_norm("norm1", affine=False)(x), shift_msa, scale_msa)
     h = layers.Attention(self.num_heads, self.dtype, implementation=self.attention_impl,
                          name="attn")(h)
-    x = self.residual.update(x, alpha[0], gate_msa[:, None, :] * h)
+    x = self.residual.add(x, alpha[0], self.residual.branch(self, "attn", gate_msa[:, None, :] * h))
     h = modulate(layers.layer_norm("norm2", affine=False)(x), shift_mlp, scale_mlp)
     h = layers.Mlp(int(dim * self.mlp_ratio), approximate_gelu=True, dtype=self.dtype,
                    name="mlp")(h)
-    x = self.residual.update(x, alpha[1], gate_mlp[:, None, :] * h)
+    x = self.residual.add(x, alpha[1], self.residual.branch(self, "mlp", gate_mlp[:, None, :] * h))
     return x, x

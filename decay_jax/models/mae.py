@@ -136,8 +136,9 @@ class MaskedAutoencoder(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
     self.alpha = self.residual.coefficients(self, self.depth)  # (depth, 2)
     self.blocks = layers.scan_blocks(MAEBlock, self.depth, in_axes=0,
                                      remat_policy=self.remat_policy)(
-        num_heads=self.num_heads, mlp_ratio=self.mlp_ratio, residual=self.residual,
-        dtype=self.dtype, attention_impl=self.attention_impl)
+        num_heads=self.num_heads, mlp_ratio=self.mlp_ratio,
+        residual=self.residual.at_depth(self.depth), dtype=self.dtype,
+        attention_impl=self.attention_impl)
     self.skip = [SkipLayer(self.dtype) for k in range(self.num_skip_layers)]
     self.decoder_embed = nn.Dense(self.decoder_dim, dtype=self.dtype,
                                   kernel_init=layers.xavier_uniform, bias_init=layers.zeros)

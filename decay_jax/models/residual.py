@@ -11,6 +11,19 @@ cosine decay from 1 to ``alpha_min`` over the sublayers or blocks, the paper's
 ``sqrt_half_*`` controls). ``alpha_min = 1`` with ``shortcut_form='decay'`` is the standard
 residual network ``x + f(x)``.
 
+A trained gain on each branch (``branch_gain``) replaces ``f`` by ``g * f``:
+
+  * ``'layerscale'`` (CaiT, Touvron et al. 2021): ``g = diag(lambda)``, one trainable ``lambda (C,)``
+    per sublayer, initialised to ``gain_init`` or, by default, CaiT's rule over the model's depth:
+    0.1 up to depth 18, 1e-5 up to 24, 1e-6 deeper (the paper gives 18, 24 and "deeper"; depths
+    19-23 take 1e-5 here);
+  * ``'rezero'`` (ReZero, Bachlechner et al. 2020; SkipInit, De & Smith 2020): ``g = a``, one
+    trainable scalar per sublayer, initialised to ``gain_init`` (default 0). The blocks keep their
+    pre-norm (ReZero's paper also removes it).
+
+Gains are parameters ``gain_attn`` and ``gain_mlp`` of each block (``branch``). They combine with
+any ``alpha`` schedule (``alpha_min = 1`` gives the published forms).
+
 ``Residual`` is the one object that models and blocks take for this (``MaskedAutoencoder``,
 ``SiT``, ``ViTClassifier`` and ``UViT`` each have one field ``residual``; the blocks a keyword
 ``residual``). It holds the fields (the names of ``model.json`` and of the config's ``model``
@@ -54,6 +67,9 @@ class Residual:
     shortcut_form: one of ``schedules.FORMS``: 'decay' (the method), 'learnable' (``alpha`` a
       trained parameter), 'sqrt_half_both' / 'sqrt_half_f' (no schedule), 'attn_only' /
       'mlp_only' (the schedule on one sublayer's identity).
+    branch_gain: 'none', 'layerscale' or 'rezero': a trained gain on every branch (module
+      docstring).
+    gain_init: the gains' initial value; -1 (default) is the form's own (CaiT's rule, or 0).
 
   Built specs are checked (one-line ``ValueError`` naming the field), hashable and immutable, so a
   Flax module can hold one as a field.
@@ -62,6 +78,8 @@ class Residual:
   schedule_convention: str = "sublayer"
   schedule_shape: str = "linear"
   shortcut_form: str = "decay"
+  branch_gain: str = "none"
+  gain_init: float = -1.0
 
   def __post_init__(self):
     self.check()
@@ -72,6 +90,11 @@ class Residual:
     validate.check_choice("schedule_convention", self.schedule_convention, schedules.CONVENTIONS)
     validate.check_choice("schedule_shape", self.schedule_shape, schedules.SHAPES)
     validate.check_choice("shortcut_form", self.shortcut_form, schedules.FORMS)
+    validate.check_choice("branch_gain", self.branch_gain, BRANCH_GAINS)
+    if self.gain_init != -1.0 and not (validate.is_number(self.gain_init)
+                                       and self.gain_init >= 0.0):
+      raise validate.not_allowed("gain_init", self.gain_init,
+                                 "it must be >= 0, or -1 for the form's own initial value")
 
   # ----- flat fields (model.json, configs) --------------------------------------------------------
   def fields(self) -> dict:
@@ -128,6 +151,43 @@ class Residual:
       return module.param("alpha", lambda _: jnp.asarray(sc.alphas, jnp.float32))
     return jnp.asarray(sc.alphas, jnp.float32)
 
+  # ----- the branch gains -------------------------------------------------------------------------
+  def at_depth(self, depth: int) -> "Residual":
+    """This spec with ``gain_init`` resolved for a model of ``depth`` blocks (models pass it to
+    their blocks): CaiT's LayerScale rule, or ReZero's 0, where ``gain_init`` is -1."""
+    if self.branch_gain == "none" or self.gain_init != -1.0:
+      return self
+    init = 0.0 if self.branch_gain == "rezero" else cait_init(depth)
+    return dataclasses.replace(self, gain_init=init)
+
+  def branch(self, module, name: str, f):
+    """``g * branch_scale * f(x)`` for a branch ``f (N, T, C)`` of ``module``: ``g`` its trainable
+    gain ``gain_<name>`` (``(C,)`` LayerScale, ``()`` ReZero; created here, the only place), or 1
+    without ``branch_gain``. In the branch's dtype."""
+    out = self.scale_branch(f)
+    if self.branch_gain == "none":
+      return out
+    if self.gain_init == -1.0:
+      raise ValueError("branch_gain needs the model's depth: pass residual.at_depth(depth) to "
+                       "the blocks")
+    shape = (f.shape[-1],) if self.branch_gain == "layerscale" else ()
+    init = float(self.gain_init)
+    gain = module.param(f"gain_{name}", lambda _: jnp.full(shape, init, jnp.float32))
+    return out * gain.astype(out.dtype)
+
+  @property
+  def zero_branch_init(self) -> bool:
+    """Whether blocks may start their branch at zero (the official MAE's zero-initialised
+    ``attn.proj`` / ``mlp.fc2``, DiT's adaLN-Zero, U-ViT's ``zero_init_branches``). Not with
+    ReZero: its gain starts at 0 and a zero branch as well would leave both without a gradient
+    (``d/dg`` is ``f``, ``d/df`` is ``g``), so the blocks start the branch at their usual random
+    init instead, as ReZero does."""
+    return self.branch_gain != "rezero"
+
+  def add(self, x, alpha, branch):
+    """``alpha * x + branch`` with the branch (already scaled, ``branch``) cast to ``x``'s dtype."""
+    return alpha * x + branch.astype(x.dtype)
+
   # ----- the update ------------------------------------------------------------------------------
   def scale_branch(self, branch):
     """``branch_scale * f(x)`` in the branch's own dtype (unchanged where the scale is 1)."""
@@ -142,13 +202,21 @@ class Residual:
 
 
 NAMES = tuple(f.name for f in dataclasses.fields(Residual))  # the flat keys, in order
+BRANCH_GAINS = ("none", "layerscale", "rezero")
+
+
+def cait_init(depth: int) -> float:
+  """CaiT's LayerScale initial value for ``depth`` blocks (Touvron et al. 2021, section 3)."""
+  if depth <= 18:
+    return 0.1
+  return 1e-5 if depth <= 24 else 1e-6
 
 
 class HasResidual:
   """Mixin of the models with a ``residual: Residual`` field.
 
-  Read-only flat views for callers that predate the spec: ``alpha_min``, ``schedule_convention``,
-  ``schedule_shape``, ``shortcut_form`` and ``shortcuts`` (the coefficients of the model's
+  Read-only flat views for callers that predate the spec: one per field of ``Residual``
+  (``alpha_min``, ``schedule_convention``, ...) and ``shortcuts`` (the coefficients of the model's
   ``depth`` blocks). The constructor also takes the flat names as keywords, folded into the
   ``residual`` field (``SiT(alpha_min=0.7)`` is ``SiT(residual=Residual(alpha_min=0.7))``, the
   other fields from the ``residual`` given or the class default), as ``model.json`` and the
@@ -159,14 +227,14 @@ class HasResidual:
     super().__init_subclass__(**kwargs)  # Flax makes the class a dataclass with its __init__ here
     cls.__init__ = _accepting_flat_fields(cls.__init__)
 
-  alpha_min = property(lambda self: self.residual.alpha_min)
-  schedule_convention = property(lambda self: self.residual.schedule_convention)
-  schedule_shape = property(lambda self: self.residual.schedule_shape)
-  shortcut_form = property(lambda self: self.residual.shortcut_form)
 
   @property
   def shortcuts(self) -> schedules.Shortcuts:
     return self.residual.shortcuts(self.depth)
+
+
+for _name in NAMES:  # a read-only view of every spec field, new ones included
+  setattr(HasResidual, _name, property(lambda self, _n=_name: getattr(self.residual, _n)))
 
 
 def _accepting_flat_fields(init):

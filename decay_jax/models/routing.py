@@ -276,6 +276,10 @@ def check_fields(m) -> None:
     raise ValueError(f"residual_routing='attnres' has no identity shortcut to decay; it needs "
                      f"alpha_min=1 and shortcut_form='decay' (got {res.alpha_min}, "
                      f"{res.shortcut_form!r})")
+  if m.residual_routing != "none" and res.branch_gain != "none":
+    raise ValueError(f"branch_gain={res.branch_gain!r} is not allowed with residual_routing="
+                     f"{m.residual_routing!r}; routed blocks have no branch gains (use "
+                     "residual_routing='none')")
   if m.routing_decay == "null" and res.shortcut_form != "decay":
     raise ValueError(f"routing_decay='null' needs constant coefficients: shortcut_form='decay' "
                      f"(got {res.shortcut_form!r})")

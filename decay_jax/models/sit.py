@@ -101,8 +101,9 @@ class SiT(residual_lib.HasResidual, nn.Module):
           variant=self.residual_routing, decay=self.routing_decay, residual=self.residual,
           dtype=self.dtype, attention_impl=self.attention_impl, remat_policy=self.remat_policy)
     else:
-      common = dict(num_heads=self.num_heads, mlp_ratio=self.mlp_ratio, residual=self.residual,
-                    dtype=self.dtype, attention_impl=self.attention_impl)
+      common = dict(num_heads=self.num_heads, mlp_ratio=self.mlp_ratio,
+                    residual=self.residual.at_depth(self.depth), dtype=self.dtype,
+                    attention_impl=self.attention_impl)
       self.enc_blocks = layers.scan_blocks(SiTBlock, half, (0, nn.broadcast), self.remat_policy)(
           has_skip=False, **common)
       self.dec_blocks = layers.scan_blocks(SiTBlock, half, (0, nn.broadcast), self.remat_policy)(

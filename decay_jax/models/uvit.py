@@ -126,12 +126,14 @@ class UViTBlock(nn.Module):
     h = layers.Attention(self.num_heads, self.dtype, last_init, self.attention_impl,
                          qkv_bias=self.qkv_bias, qkv_init=linear_init,
                          name="attn")(layer_norm("norm1")(x))
-    sow_branch_norms(self, "attn_norms", x, alpha[0], h, self.residual)
-    x = self.residual.update(x, alpha[0], h)
+    h = self.residual.branch(self, "attn", h)
+    sow_branch_norms(self, "attn_norms", x, alpha[0], h)
+    x = self.residual.add(x, alpha[0], h)
     h = layers.Mlp(int(d * self.mlp_ratio), approximate_gelu=False, dtype=self.dtype,
                    fc2_init=last_init, fc1_init=linear_init, name="mlp")(layer_norm("norm2")(x))
-    sow_branch_norms(self, "mlp_norms", x, alpha[1], h, self.residual)
-    x = self.residual.update(x, alpha[1], h)
+    h = self.residual.branch(self, "mlp", h)
+    sow_branch_norms(self, "mlp_norms", x, alpha[1], h)
+    x = self.residual.add(x, alpha[1], h)
     return x, x
 
 
@@ -205,7 +207,8 @@ class UViT(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
   @property
   def zero_init(self) -> bool:
     """Whether the branch outputs (``attn.proj``, ``mlp.fc2`` kernels) start at zero."""
-    return self.mode == "decayed" and self.zero_init_branches
+    return (self.mode == "decayed" and self.zero_init_branches
+            and self.residual.zero_branch_init)
 
   # ----- modules ---------------------------------------------------------------------------------
   def setup(self):
@@ -219,8 +222,8 @@ class UViT(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
     self.pos_embed = self.param("pos_embed", linear_init, (1, self.extras + self.num_patches, d))
     self.alpha = self.block_residual.coefficients(self, self.num_blocks)  # (2K + 1, 2)
     common = dict(num_heads=self.num_heads, mlp_ratio=self.mlp_ratio, qkv_bias=self.qkv_bias,
-                  zero_init=self.zero_init, residual=self.block_residual, dtype=self.dtype,
-                  attention_impl=self.attention_impl)
+                  zero_init=self.zero_init, residual=self.block_residual.at_depth(self.num_blocks),
+                  dtype=self.dtype, attention_impl=self.attention_impl)
     self.in_blocks = layers.scan_blocks(UViTBlock, self.half, 0, self.remat_policy)(
         skip_mode="none", **common)
     self.mid_block = layers.remat(UViTBlock, self.remat_policy)(skip_mode="none", **common)

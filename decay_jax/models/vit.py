@@ -81,8 +81,9 @@ class ViTClassifier(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
     x = jnp.concatenate([jnp.broadcast_to(cls_token, (x.shape[0], 1, self.dim)), x], axis=1)
     x = x + pos_embed
     blocks = layers.scan_blocks(MAEBlock, self.depth, in_axes=0, remat_policy=self.remat_policy)(
-        num_heads=self.num_heads, mlp_ratio=self.mlp_ratio, residual=self.residual,
-        dtype=self.dtype, attention_impl=self.attention_impl, stochastic_depth=self.train,
+        num_heads=self.num_heads, mlp_ratio=self.mlp_ratio,
+        residual=self.residual.at_depth(self.depth), dtype=self.dtype,
+        attention_impl=self.attention_impl, stochastic_depth=self.train,
         name="blocks")
     x, _ = blocks(x, self.residual.coefficients(self, self.depth),
                   jnp.asarray(drop_path_rates(self.depth, self.drop_path)), drop_u)
