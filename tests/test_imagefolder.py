@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 
 import chex
 import jax
@@ -292,6 +293,47 @@ def test_workers_end_with_a_killed_training_process(digits):
     proc.kill()  # the training process only
     proc.wait()
   assert wait_for_no_processes(proc.pid) == []
+
+
+class _InterruptedWhileFreed:
+  """Ctrl-C arrives while this object frees itself, as while a shared-memory batch unlinks."""
+
+  def __del__(self):
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.2)  # the handler runs here, inside __del__
+
+
+def test_ctrl_c_while_a_batch_frees_itself_is_raised_not_lost():
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  unraisable = []
+  previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+  try:
+    obj = _InterruptedWhileFreed()
+    del obj  # the interrupt dies in __del__: Python reports it as unraisable and goes on
+    assert [type(u.exc_value) for u in unraisable] == [KeyboardInterrupt]
+    unraisable.clear()
+    obj = _InterruptedWhileFreed()
+    with pytest.raises(KeyboardInterrupt):
+      with loader.sigint_deferred():
+        del obj
+    assert unraisable == []
+  finally:
+    sys.unraisablehook = previous_hook
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_stream_frees_each_batch_two_steps_later(digits):
+  cfg = cfg_for("imagefolder:" + digits["dir"], image_size=16)
+  stream = pipeline.make_train_iterator(cfg, 16, 0)
+  try:
+    first = weakref.ref(next(stream)["image"])
+    assert first() is not None  # held by the stream: the caller's loop variable may still hold it
+    next(stream)
+    assert first() is not None
+    next(stream)
+    assert first() is None  # freed by the stream, under sigint_deferred
+  finally:
+    stream.close()
 
 
 def test_ctrl_c_stops_the_stream_without_worker_tracebacks(digits):

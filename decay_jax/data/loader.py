@@ -26,6 +26,8 @@ training process has been killed.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -313,6 +315,32 @@ def resume_layout(state: Any, layout: Layout, seed: int, parallel: Parallelism,
   return saved_layout
 
 
+@contextlib.contextmanager
+def sigint_deferred():
+  """Holds Ctrl-C back for the body and raises it after, where nothing can swallow it.
+
+  A ``KeyboardInterrupt`` raised inside a ``__del__`` is printed ("Exception ignored in") and
+  dropped: the interrupt is lost. Grain's shared-memory batches free themselves in ``__del__``,
+  so releasing one is such a place. Only the main thread runs Python signal handlers; elsewhere,
+  or when Ctrl-C is not handled by a Python function (ignored, default), the body runs as is.
+  """
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  handler = signal.getsignal(signal.SIGINT)
+  if not callable(handler):
+    yield
+    return
+  caught = []
+  signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, handler)
+    if caught:
+      handler(*caught[0])
+
+
 class TrainStream:
   """An endless iterator of training batches with a saveable state.
 
@@ -346,6 +374,11 @@ class TrainStream:
     self.next_step = layout.start_step
     self.restored = False  # whether Grain's iterator came from a saved state
     self._failure: Optional[validate.InputError] = None
+    # The last two batches handed out: a batch read from shared memory frees itself when its last
+    # reference goes, and that reference is then this stream's, dropped under
+    # ``sigint_deferred`` (a ``for batch in stream`` loop still holds the previous batch while
+    # asking for the next; so two).
+    self._held = collections.deque()
 
   def get_state(self) -> dict:
     identity = stream_identity(self.layout, self.seed, self.parallel, self.source)
@@ -364,6 +397,9 @@ class TrainStream:
   def __next__(self) -> Dict[str, np.ndarray]:
     if self._failure is not None:
       raise self._failure
+    if len(self._held) == 2:
+      with sigint_deferred():  # raised before reading: the stream's state stays consistent
+        self._held.popleft()
     try:
       batch = next(self._iterator)
     except Exception as e:  # pylint: disable=broad-except  (a record, a thread or a worker failed)
@@ -372,6 +408,7 @@ class TrainStream:
       self.close()  # the other workers stop now, not when the caller gets round to it
       raise self._failure from None
     self.next_step += 1
+    self._held.append(batch)
     return batch
 
   def close(self) -> None:
@@ -386,6 +423,8 @@ class TrainStream:
         close()
       except Exception:  # pylint: disable=broad-except
         pass
+    with sigint_deferred():
+      self._held.clear()
 
 
 def eval_batches(example: Callable[[int], dict], n: int, parallel: Parallelism):
