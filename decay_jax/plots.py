@@ -114,3 +114,41 @@ def side_by_side(left: np.ndarray, right: np.ndarray, pad: int = 8) -> np.ndarra
   canvas[:left.shape[0], :left.shape[1]] = left
   canvas[:right.shape[0], left.shape[1] + pad:] = right
   return canvas
+
+
+def save_picture(path: str, picture: np.ndarray) -> None:
+  """Writes a uint8 RGB picture ``(H, W, 3)`` as the PNG ``path`` (local or gs://)."""
+  from PIL import Image
+  buf = io.BytesIO()
+  Image.fromarray(np.asarray(picture, np.uint8)).save(buf, format="PNG")
+  paths.write_bytes(path, buf.getvalue())
+
+
+def matrix_panels(path: str, panels, title: str = "", vmin: float = 0.0,
+                  vmax: float = 1.0) -> None:
+  """Heat-maps of matrices side by side, written to the PNG ``path`` (the CKA maps of
+  ``decay_jax.evals.cka``): ``panels`` is ``[(panel title, matrix (R, C), row labels, column
+  labels, row axis name, column axis name)]``; row 0 at the bottom, values written in the cells
+  of small matrices."""
+  cols = min(len(panels), 3)
+  rows = -(-len(panels) // cols)
+  with figure(path, rows, cols, size=(4.2 * cols, 3.8 * rows)) as (fig, axes):
+    im = None
+    for ax, (ptitle, mat, rlabels, clabels, rname, cname) in zip(axes.flat, panels):
+      mat = np.asarray(mat, np.float64)
+      im = ax.imshow(mat, vmin=vmin, vmax=vmax, cmap="magma", origin="lower", aspect="auto")
+      ax.set_xticks(range(len(clabels)), clabels, fontsize=7)
+      ax.set_yticks(range(len(rlabels)), rlabels, fontsize=7)
+      ax.set_xlabel(cname, fontsize=8)
+      ax.set_ylabel(rname, fontsize=8)
+      ax.set_title(ptitle, fontsize=9)
+      if mat.size <= 256:
+        for (r, c), v in np.ndenumerate(mat):
+          ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=5,
+                  color="white" if v < 0.6 else "black")
+    for ax in list(axes.flat)[len(panels):]:
+      ax.axis("off")
+    if im is not None:
+      fig.colorbar(im, ax=axes.ravel().tolist(), fraction=0.03)
+    if title:
+      fig.suptitle(title, fontsize=10)

@@ -25,6 +25,18 @@ needs ``--config``. The evaluators are the ones training runs (``decay_jax.evals
               top-5 of the last evaluation and the best top-1, beside KNN and the linear probes.
               The fine-tuning runs live in ``OUT/finetune/<name>``; a rerun resumes them.
 
+The workbench (``decay_jax.evals.workbench``, docs/workbench.md) adds:
+
+  ``cka``     minibatch CKA maps between the blocks of each model (``--cka_images``,
+              ``--cka_batch``, ``--cka_feature``) and, with several models, between their blocks
+  ``routing`` routing weights of a routed SiT run per bin of time (``--routing_bins``,
+              ``--routing_images``)
+  ``--ablate=alphas_one,alpha_min=0.8,no_identity=3,no_branch=5`` every entry one more model
+              ``NAME[entry]``: the same parameters with changed coefficients or a removed branch
+
+SiT runs are read at noise level ``--probe_t`` (``decay_jax.evals.sit_probe``); their default
+evaluators are cka (and routing when routed).
+
 Writes ``OUT/evaluation.json``, ``OUT/report.md`` and the PNG plots; ``--out`` defaults to
 ``DIR/evaluation`` for a single model and is required for several.
 """
@@ -42,11 +54,11 @@ from ml_collections import config_flags
 from decay_jax import logs, paths
 from decay_jax import sharding as shd
 from decay_jax.cli import errors
-from decay_jax.evals import diffusion_probe, registry, report, suite
+from decay_jax.evals import cka, registry, report, routing_maps, suite, workbench
 from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import trainer
 
-EVALS = tuple(registry.EVALUATORS) + ("finetune",)
+EVALS = tuple(registry.EVALUATORS) + ("finetune",) + workbench.EVALS
 WEIGHTS = ("params", "ema")
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -58,8 +70,9 @@ _FINETUNE_CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_list("workdir", [], "Training workdirs (their newest checkpoint).")
 _CHECKPOINT = flags.DEFINE_list("checkpoint", [], "Converted params dirs (decay_jax.cli.convert).")
 _NAMES = flags.DEFINE_list("names", [], "Labels of the models (default: directory names).")
-_PROBE_T = flags.DEFINE_float("probe_t", 0.01, "U-ViT runs: the noise level t_p of the "
-                              "diffusion-feature probe (decay_jax.evals.diffusion_probe).")
+_PROBE_T = flags.DEFINE_float("probe_t", 0.01, "U-ViT and SiT runs: the noise level t_p of the "
+                              "diffusion-feature probe (decay_jax.evals.diffusion_probe; SiT: "
+                              "time 1 - t_p, decay_jax.evals.sit_probe).")
 _EVALS = flags.DEFINE_list("evals", list(registry.EVALUATORS),
                            "Evaluators to run: " + ", ".join(EVALS) + " (finetune is added by "
                            "--finetune_config)")
@@ -68,10 +81,25 @@ _STEP = flags.DEFINE_integer("step", -1, "Checkpoint step of --workdir runs (-1:
 _WEIGHTS = flags.DEFINE_enum("weights", "params", list(WEIGHTS),
                              "Which weights of a training checkpoint: params or their EMA.")
 _FSDP = flags.DEFINE_integer("fsdp", 1, "Devices that split each parameter (mesh fsdp axis).")
+_ABLATE = flags.DEFINE_list("ablate", [], "Post-training ablations, each one more model NAME[entry]:"
+                            " alphas_one, alpha_min=V, shape=S, convention=C, no_identity=B, "
+                            "no_branch=B, several joined by '+' (decay_jax.evals.ablation).")
+_CKA_IMAGES = flags.DEFINE_integer("cka_images", cka.DEFAULTS["images"],
+                                   "cka: evaluation images (a multiple of --cka_batch).")
+_CKA_BATCH = flags.DEFINE_integer("cka_batch", cka.DEFAULTS["batch"],
+                                  "cka: minibatch of the unbiased HSIC (>= 4).")
+_CKA_FEATURE = flags.DEFINE_enum("cka_feature", cka.DEFAULTS["feature"], list(cka.FEATURES),
+                                 "cka: 'tokens' (all tokens of an image flattened) or a pooled "
+                                 "feature choice.")
+_ROUTING_BINS = flags.DEFINE_integer("routing_bins", routing_maps.DEFAULTS["bins"],
+                                     "routing: equal bins of SiT time t in [0, 1], one panel each.")
+_ROUTING_IMAGES = flags.DEFINE_integer("routing_images", routing_maps.DEFAULTS["images"],
+                                       "routing: evaluation images per bin.")
 
 
 def _models(mesh):
-  """Yields ``(name, model, params, data_cfg, evals_cfg, source)`` for every requested model."""
+  """Yields ``(name, model, params, data_cfg, evals_cfg, source, run_cfg)`` for every requested
+  model (``run_cfg`` None for a converted checkpoint)."""
   import jax
   given = _CONFIG.value
   given_paths = ([("workdir", p) for p in _WORKDIR.value]
@@ -80,18 +108,20 @@ def _models(mesh):
   for (kind, path), label in zip(given_paths, labels):
     path = str(paths.resolve(path))
     if kind == "workdir":
-      run_cfg = ckpt_lib.run_config(path, task=("mae", "uvit"))
+      run_cfg = ckpt_lib.run_config(path, task=("mae", "uvit", "sit"))
       params, step = ckpt_lib.restore_run_params(path, mesh, _STEP.value, _WEIGHTS.value)
-      model = suite.run_model(run_cfg, params, _PROBE_T.value)
+      model = workbench.run_model(run_cfg, params, _PROBE_T.value)
       source = {"workdir": path, "step": step, "weights": _WEIGHTS.value}
       data_cfg, evals_cfg = (given.data, given.evals) if given else (run_cfg.data, run_cfg.evals)
     else:
+      run_cfg = None
       model, params = ckpt_lib.load_params(path, "checkpoint")
+      model = workbench.checkpoint_model(model, _PROBE_T.value)
       params = jax.device_put(params, shd.param_shardings(params, mesh))
       source = {"checkpoint": path}
       data_cfg, evals_cfg = given.data, given.evals
     suite.check_data(model, data_cfg, f"{kind}={path!r}")
-    yield label, model, params, data_cfg, evals_cfg, source
+    yield label, model, params, data_cfg, evals_cfg, source, run_cfg
 
 
 def _finetune(record: dict, source: dict, workdir: str) -> None:
@@ -157,31 +187,30 @@ def main(argv):
   first = (_WORKDIR.value + _CHECKPOINT.value)[0]
   out = str(paths.resolve(_OUT.value or paths.join(first, "evaluation")))
   names = list(dict.fromkeys(_EVALS.value + (["finetune"] if _FINETUNE_CONFIG.value else [])))
-  frozen = [n for n in names if n != "finetune"]
   records = []
   t0 = time.perf_counter()
   try:
     mesh = shd.make_mesh(-1, _FSDP.value)
-    for label, model, params, data_cfg, evals_cfg, source in _models(mesh):
-      here = frozen
-      if isinstance(model, diffusion_probe.ProbedUViT):  # rank and branch ratios are MAE's
-        if (_EVALS.present and "rank" in frozen) or "finetune" in names:
-          raise ValueError(f"workdir={source['workdir']!r} is a U-ViT run: its evaluators are "
-                           "knn, linear and layers (--evals=knn,linear,layers)")
-        here = [n for n in frozen if n != "rank"]
-      record = suite.evaluate_model(label, model, params, data_cfg, evals_cfg, here, mesh,
-                                    source)
-      if "finetune" in names:
-        _finetune(record, source, paths.join(out, "finetune", label))
-      records.append(record)
+    bench = workbench.Workbench(_CKA_IMAGES.value, _CKA_BATCH.value, _CKA_FEATURE.value,
+                                _ROUTING_BINS.value, _ROUTING_IMAGES.value, _ABLATE.value)
+    for label, model, params, data_cfg, evals_cfg, source, run_cfg in _models(mesh):
+      where = f"{next(iter(source))}={next(iter(source.values()))!r}"
+      here = [n for n in workbench.applicable(model, names, _EVALS.present, where)
+              if n != "finetune"]
+      for name, m, p, info in bench.variants(label, model, params):
+        record = bench.evaluate(name, m, p, data_cfg, evals_cfg, here, mesh, source, run_cfg, info)
+        if "finetune" in names and info is None:
+          _finetune(record, source, paths.join(out, "finetune", label))
+        records.append(record)
   except ValueError as e:  # bad paths or settings: one line, no traceback
     print(f"error: {e}", file=sys.stderr)
     return 2
   if jax.process_index() == 0:
     command = "python -m decay_jax.cli.evaluate " + " ".join(sys.argv[1:])
+    appendix, extra = bench.finish(out, records)
     files = report.write(out, records, command=command,
                          device=f"{jax.device_count()} x {jax.devices()[0].device_kind}",
-                         seconds=time.perf_counter() - t0)
+                         seconds=time.perf_counter() - t0, appendix=appendix, extra=extra)
     print(report.summary_table(records))
     print(f"\nreport: {files['report']}")
   return 0

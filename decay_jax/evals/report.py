@@ -178,7 +178,8 @@ def model_markdown(r: dict, plots: Sequence[str]) -> str:
            else f"converted checkpoint `{src['checkpoint']}`")
   lines = [f"## {r['name']}", "",
            f"{where}. Encoder depth {len(m['alphas'])}, width {m['dim']}, patch {m['patch_size']}, "
-           f"image {m['img_size']} px; alpha_min {m['alpha_min']:g} ({m['schedule_convention']}, "
+           f"image {m.get('img_size', m.get('input_size'))} px; alpha_min {m['alpha_min']:g} "
+           f"({m['schedule_convention']}, "
            f"{m['schedule_shape']}, {m['shortcut_form']}), alpha_eff {m['alpha_eff']:.4g}. Data "
            f"`{r['data']['dataset']}`.", ""]
   if _get(r, "knn"):
@@ -270,13 +271,18 @@ def _jsonable(x):
 
 
 def write(out_dir: str, records: Sequence[dict], command: str = "", device: str = "",
-          seconds: Optional[float] = None) -> Dict[str, str]:
-  """Writes the JSON, the plots and the Markdown report; returns their paths by kind."""
+          seconds: Optional[float] = None, appendix: Sequence[str] = (),
+          extra: Optional[dict] = None) -> Dict[str, str]:
+  """Writes the JSON, the plots and the Markdown report; returns their paths by kind.
+
+  ``appendix``: Markdown lines after the plots (the workbench's ablations, CKA and routing maps,
+  ``evals.workbench``); ``extra``: more top-level JSON entries (``cka_between``)."""
   files = {"json": paths.join(out_dir, "evaluation.json"),
            "report": paths.join(out_dir, "report.md")}
   stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
   paths.write_json(files["json"], _jsonable({"command": command, "device": device, "date": stamp,
-                                             "seconds": seconds, "models": list(records)}))
+                                             "seconds": seconds, "models": list(records),
+                                             **(extra or {})}))
   plots = []
   for kind, name, fn in (("accuracy", ACCURACY_PNG, plot_accuracy), ("rank", RANK_PNG, plot_rank),
                          ("branches", BRANCH_PNG, plot_branches)):
@@ -292,6 +298,7 @@ def write(out_dir: str, records: Sequence[dict], command: str = "", device: str 
             BRANCH_PNG: "Branch ratio against sublayer"}
   for name in plots:
     lines += [f"![{titles[name]}]({name})", ""]
+  lines += list(appendix)
   for r in records:
     lines.append(model_markdown(r, plots))
   lines.append(PROTOCOL_TEXT)
