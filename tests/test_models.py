@@ -184,7 +184,7 @@ def test_attention_none_chooses_cudnn_on_gpu_for_half_precision_and_shapes_it_ta
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   assert resolve(None, jnp.bfloat16, 256, 72) == "cudnn"  # SiT-XL/2
   assert resolve(None, jnp.float16, 50, 64) == "cudnn"  # MAE ViT-L/16's encoder
-  assert resolve(None, jnp.bfloat16, 197, 64) is None  # its decoder: an odd token count
+  assert resolve(None, jnp.bfloat16, 197, 64) == "cudnn"  # its decoder: padded to 198
   assert resolve(None, jnp.bfloat16, 256, 76) is None  # head dim not a multiple of 8
   assert resolve(None, jnp.bfloat16, 256, 160) is None  # head dim over 128
   assert resolve(None, jnp.float32, 256, 72) is None  # cuDNN has no float32 kernel

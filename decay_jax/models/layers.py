@@ -79,18 +79,47 @@ def sincos_2d(embed_dim: int, grid_size: int, cls_token: bool = False) -> np.nda
 def resolve_attention(implementation: Optional[str], dtype, tokens: int, head_dim: int
                       ) -> Optional[str]:
   """The attention kernel for ``tokens`` x ``head_dim`` heads: ``implementation`` where given;
-  where None, cuDNN flash attention on a GPU backend for bfloat16/float16 compute and shapes its
-  training kernel takes (head dim a multiple of 8 up to 128, an even token count: JAX 0.11 refuses
-  MAE's 197-token decoder), XLA's otherwise (None).
+  where None, cuDNN flash attention on a GPU backend for bfloat16/float16 compute and head dims its
+  kernel takes (a multiple of 8 up to 128), for any token count (``attend`` pads odd ones), XLA's
+  otherwise (None).
 
   An execution choice, not part of the model: both compute the same softmax attention.
   """
+  del tokens  # any count: attend() pads what the kernel refuses
   if implementation is not None:
     return implementation
   if (jax.default_backend() == "gpu" and jnp.dtype(dtype).name in CUDNN_DTYPES
-      and head_dim % 8 == 0 and head_dim <= 128 and tokens % 2 == 0):
+      and head_dim % 8 == 0 and head_dim <= 128):
     return "cudnn"
   return None
+
+
+# JAX 0.10-0.11 (jax/_src/cudnn/fused_attention_stablehlo.py) replace a missing bias by an empty
+# array before the training rule checks ``bias is not None``, so its "with a bias, even sequence
+# lengths" rule applies to every cuDNN training call: odd T raises NotImplementedError.
+CUDNN_TOKEN_MULTIPLE = 2
+
+
+def attend(q, k, v, implementation: Optional[str] = None, multiple: Optional[int] = None):
+  """``softmax(q k^T / sqrt(D)) v`` per head: ``q, k, v, out (N, T, H, D)``.
+
+  The token axis is zero-padded to a multiple of ``multiple`` (default: 2 for cuDNN, else 1) and
+  ``jax.nn.dot_product_attention`` gets the true length ``T`` as ``query_seq_lengths`` and
+  ``key_value_seq_lengths``: padded keys are masked out of every softmax, padded query rows are
+  dropped, so the result (and its gradient) is that of the unpadded attention.
+  """
+  t = q.shape[1]
+  if multiple is None:
+    multiple = CUDNN_TOKEN_MULTIPLE if implementation == "cudnn" else 1
+  pad = -t % multiple
+  if not pad:
+    return jax.nn.dot_product_attention(q, k, v, implementation=implementation)
+  widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+  q, k, v = (jnp.pad(a, widths) for a in (q, k, v))
+  lengths = jnp.full((q.shape[0],), t, jnp.int32)
+  out = jax.nn.dot_product_attention(q, k, v, query_seq_lengths=lengths,
+                                     key_value_seq_lengths=lengths, implementation=implementation)
+  return out[:, :t]
 
 
 def layer_norm(name: Optional[str] = None, affine: bool = True, eps: float = 1e-6) -> nn.LayerNorm:
@@ -124,7 +153,7 @@ class Attention(nn.Module):
     qkv = qkv.reshape(n, t, 3, self.num_heads, c // self.num_heads)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     impl = resolve_attention(self.implementation, self.dtype, t, c // self.num_heads)
-    out = jax.nn.dot_product_attention(q, k, v, implementation=impl)
+    out = attend(q, k, v, impl)
     return nn.Dense(c, dtype=self.dtype, kernel_init=self.proj_init, bias_init=zeros,
                     name="proj")(out.reshape(n, t, c))
 
