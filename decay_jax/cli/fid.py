@@ -1,16 +1,23 @@
-"""FID (and Inception Score) of generated images against reference statistics or images.
+"""FID, sFID, Inception Score, precision, recall, density and coverage of generated images.
 
-    python -m decay_jax.cli.fid --samples=samples.npz --ref=VIRTUAL_imagenet256_labeled.npz \
+    python -m decay_jax.cli.fid --samples=samples.npz --ref=VIRTUAL_imagenet256_labeled.npz \\
         --inception=/data/fid_inception
     python -m decay_jax.cli.fid --samples=/data/image_folder --inception=DIR --save_stats=ref.npz
 
-``--samples`` and ``--ref``: an ``.npz`` with ``arr_0`` uint8 ``(N, H, W, 3)`` images (what
-``decay_jax.cli.sample`` and ADM write), an ``.npz`` with ``mu``/``sigma`` statistics (ADM's reference
-batches; pytorch-fid's ``--save-stats`` files), or a folder of images. ``--inception``: the FID
+``--samples`` and ``--ref``: an ``.npz`` in ADM's layout (``arr_0`` uint8 ``(N, H, W, 3)`` images,
+what ``decay_jax.cli.sample`` and ADM write, and/or the statistics ``mu``/``sigma``,
+``mu_s``/``sigma_s`` of ADM's reference batches; pytorch-fid's ``--save-stats`` files hold
+``mu``/``sigma``), or a folder of images. As ADM's evaluator: FID and sFID use a file's own
+statistics where it has them, else its images'; precision/recall (ADM's k = 3) and density/coverage
+(prdc's k = 5) use the pool features of the images of both sides. ``--inception``: the FID
 Inception converted from pytorch-fid's ``pt_inception-2015-12-05-6726825d.pth`` with
-``python -m decay_jax.cli.convert_external inception``. ``--save_stats`` writes the statistics of
-``--samples`` (to serve as a reference later). Features are computed sharded over this process's
-devices, with progress and ETA. Prints FID, IS and counts, and writes them to ``--out`` (JSON).
+``python -m decay_jax.cli.convert_external inception``. ``--save_stats`` writes a reference batch
+in ADM's layout from ``--samples``: its statistics and ``arr_0``, ``--save_images`` of its images
+drawn at random (ADM's batches hold 10,000), so that it serves this command and ADM's evaluator.
+Features are computed sharded over this process's devices, with progress and ETA; the
+nearest-neighbour metrics on the default device in blocks of ``--manifold_batch`` rows.
+Prints the metrics and writes them to ``--out`` (JSON). docs/generation_metrics.md says what each
+number follows.
 
 The protocol is pytorch-fid's (see ``decay_jax/evals/generation.py`` for how it differs from ADM's
 TensorFlow evaluator).
@@ -23,74 +30,103 @@ from typing import Optional, Sequence
 
 from decay_jax import logs, paths, validate
 from decay_jax.evals import generation as gen
+from decay_jax.evals import manifold
 from decay_jax.train import checkpoint
 
 
-def _stats(path: str, model, params, batch_size: int, what: str):
-  """``(mu, sigma, n, logits or None)`` of a statistics file, an image ``.npz`` or a folder."""
-  stats = gen.load_stats(path) if path.endswith(".npz") else None
-  if stats is not None:
-    return stats[0], stats[1], None, None
-  images = gen.load_images(path)
-  acts = gen.inception_activations(model, params, images, batch_size, what=what)
-  mu, sigma = gen.statistics(acts["pool"])
-  return mu, sigma, len(images), acts["logits"]
+def _needs_images(path: Optional[str]) -> bool:
+  """An input without statistics: only its images' features can give FID."""
+  return bool(path) and not (path.endswith(".npz") and gen.read_batch(path)[0].get("mu") is not None)
+
+
+def _has_images(path: Optional[str]) -> bool:
+  return bool(path) and (not path.endswith(".npz") or gen.read_batch(path)[1])
+
+
+def _load_inception(directory: Optional[str]):
+  if not directory:
+    raise ValueError("--inception is required to compute features of images (convert "
+                     "pt_inception-2015-12-05-6726825d.pth with decay_jax.cli.convert_external)")
+  model, params = checkpoint.load_params(directory, "inception")
+  if type(model).__name__ != "FIDInceptionV3":
+    raise ValueError(f"inception={directory!r} is not allowed; it holds a "
+                     f"{type(model).__name__}, not the FID Inception")
+  return model, params
+
+
+def _fmt(v) -> str:
+  return f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
   p = validate.ArgumentParser(prog="python -m decay_jax.cli.fid", description=__doc__.split("\n")[0])
-  p.add_argument("--samples", required=True, help="images: .npz (arr_0) or folder; or mu/sigma .npz")
-  p.add_argument("--ref", help="reference: mu/sigma .npz (ADM), images .npz or folder")
+  p.add_argument("--samples", required=True, help="images: .npz (arr_0) or folder; or stats .npz")
+  p.add_argument("--ref", help="reference: ADM batch / stats .npz, images .npz or folder")
   p.add_argument("--inception", help="converted FID Inception directory (convert_external)")
-  p.add_argument("--save_stats", help="write mu/sigma of --samples to this .npz")
+  p.add_argument("--save_stats", help="write a reference batch (ADM's layout) of --samples here")
+  p.add_argument("--save_images", type=int, default=gen.REF_IMAGES,
+                 help="images kept as arr_0 by --save_stats (random subset; ADM: 10000; 0: none)")
   p.add_argument("--batch_size", type=int, default=200, help="images per device batch (all devices)")
   p.add_argument("--is_split_size", type=int, default=5000, help="Inception Score split (ADM: 5000)")
+  p.add_argument("--pr_k", type=int, default=manifold.PR_K, help="precision/recall k (ADM: 3)")
+  p.add_argument("--dc_k", type=int, default=manifold.DC_K, help="density/coverage k (prdc: 5)")
+  p.add_argument("--pr_dtype", choices=("float16", "float32"), default="float16",
+                 help="precision/recall distances: ADM's float16 (float32 where not finite) or float32")
+  p.add_argument("--manifold_batch", type=int, default=manifold.BATCH,
+                 help="rows and columns per distance block (ADM: 10000)")
   p.add_argument("--out", help="also write the results as JSON here")
   a = p.parse_args(argv)
 
   logs.quiet_libraries()
   try:
     if not a.ref and not a.save_stats:
-      raise ValueError("give --ref (to compute FID) and/or --save_stats (to write statistics)")
-    if a.batch_size < 1:
-      raise ValueError(f"batch_size={a.batch_size} is not allowed; it must be >= 1")
+      raise ValueError("give --ref (to compute the metrics) and/or --save_stats (to write a "
+                       "reference batch)")
+    for field in ("batch_size", "is_split_size", "pr_k", "dc_k", "manifold_batch"):
+      validate.check_int(field, getattr(a, field), 1)
+    validate.check_int("save_images", a.save_images, 0)
     for field in ("samples", "ref", "inception"):
       path = getattr(a, field)
       if path and not paths.exists(path):
         raise ValueError(f"--{field}={path!r} is not allowed; no such file or folder")
-    needs_net = any(x and not (x.endswith(".npz") and gen.load_stats(x) is not None)
-                    for x in (a.samples, a.ref))
     model = params = None
-    if needs_net:
-      if not a.inception:
-        raise ValueError("--inception is required to compute features of images (convert "
-                         "pt_inception-2015-12-05-6726825d.pth with decay_jax.cli.convert_external)")
-      model, params = checkpoint.load_params(a.inception, "inception")
-      if type(model).__name__ != "FIDInceptionV3":
-        raise ValueError(f"inception={a.inception!r} is not allowed; it holds a "
-                         f"{type(model).__name__}, not the FID Inception")
-    mu, sigma, n, logits = _stats(a.samples, model, params, a.batch_size, "samples")
+    if a.inception or _needs_images(a.samples) or _needs_images(a.ref):
+      model, params = _load_inception(a.inception)
+    samples = gen.describe(a.samples, model, params, a.batch_size,
+                           a.save_images if a.save_stats else 0, "samples")
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   result = {"samples": a.samples}
-  if n is not None:
-    result["num_samples"] = n
-    result["inception_score"] = gen.inception_score(logits, a.is_split_size)
+  if "n" in samples:
+    result["num_samples"] = int(samples["n"])
   if a.save_stats:
-    gen.save_stats(a.save_stats, mu, sigma)
-    print(f"wrote statistics of {a.samples} to {a.save_stats}")
+    gen.save_batch(a.save_stats, samples, samples.get("images"))
+    kept = len(samples["images"]) if "images" in samples else 0
+    print(f"wrote the reference batch of {a.samples} to {a.save_stats} "
+          f"({', '.join(k for k in ('mu', 'sigma', 'mu_s', 'sigma_s') if k in samples)}; "
+          f"arr_0: {kept} images)")
+  missing = []
   if a.ref:
     try:
-      ref_mu, ref_sigma, ref_n, _ = _stats(a.ref, model, params, a.batch_size, "reference")
-      result.update(ref=a.ref, fid=gen.frechet_distance(mu, sigma, ref_mu, ref_sigma))
+      ref = gen.describe(a.ref, model, params, a.batch_size, 0, "reference")
+      metrics, missing = gen.compare(samples, ref, a.is_split_size, a.pr_k, a.dc_k,
+                                     a.pr_dtype == "float16", a.manifold_batch,
+                                     names=(a.samples, a.ref))
     except ValueError as e:
       print(f"error: {e}", file=sys.stderr)
       return 2
-    if ref_n is not None:
-      result["num_ref"] = ref_n
-  print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
-                 for k, v in result.items()))
+    result["ref"] = a.ref
+    if "n" in ref:
+      result["num_ref"] = int(ref["n"])
+    result.update(metrics)
+  elif "logits" in samples:
+    result["inception_score"] = gen.inception_score(samples["logits"], a.is_split_size)
+  print(" ".join(f"{k}={_fmt(v)}" for k, v in result.items()))
+  if missing:
+    why = ("give --inception (features of the images)" if model is None else
+           "an input has statistics only, or no mu_s/sigma_s")
+    print(f"not computed: {', '.join(missing)} ({why})")
   if a.out:
     paths.write_json(a.out, result)
   return 0

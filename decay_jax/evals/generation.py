@@ -1,4 +1,4 @@
-"""Generation metrics: Inception activations, FID, Inception Score, reference statistics.
+"""Generation metrics: Inception activations, FID, sFID, Inception Score, reference batches.
 
 * FID (Heusel et al. 2017): ``d^2 = |mu_1 - mu_2|^2 + Tr(S_1 + S_2 - 2 (S_1 S_2)^(1/2))`` between
   Gaussians fitted to the 2048-d pool features of the FID Inception (``models/inception.py``).
@@ -7,12 +7,19 @@
   ``scipy.linalg.sqrtm`` of the non-symmetric product: same value (tested against scipy to 1e-6
   relative), no complex round-off, and 0 to round-off for identical statistics even when the
   covariance is singular (fewer images than 2048).
+* sFID (Nash et al. 2021, as ADM's evaluator): the same distance on the 2023-d spatial features
+  (``mixed_6/conv``, first 7 channels; ``models/inception.py`` says which layer of ours that is).
 * Statistics: ``mu`` = mean, ``sigma`` = ``np.cov(acts, rowvar=False)`` (unbiased), float64, as
-  pytorch-fid and ADM's evaluator. ``.npz`` files with keys ``mu`` and ``sigma`` (ADM's reference
-  batches, e.g. ``VIRTUAL_imagenet256_labeled.npz``, and pytorch-fid's ``--save-stats``) are read and
-  written; an ``.npz`` with only ``arr_0`` (uint8 ``(N, H, W, 3)`` images) is treated as images.
+  pytorch-fid and ADM's evaluator (``compute_statistics``).
+* Reference batches in ADM's layout (``VIRTUAL_imagenet256_labeled.npz``): ``arr_0`` uint8
+  ``(N, H, W, 3)`` images (ADM computes precision/recall on their pool features), ``mu``/``sigma``
+  (FID) and ``mu_s``/``sigma_s`` (sFID) statistics, which ADM's ``read_statistics`` prefers to the
+  images' own when present. ``read_batch`` reads any subset of these keys (pytorch-fid's
+  ``--save-stats`` files hold ``mu``/``sigma`` only); ``save_batch`` writes all of them.
 * Inception Score (Salimans et al. 2016): ``exp(E_x KL(p(y|x) || p(y)))`` on the softmax of the
   1008-way logits, averaged over splits of ``split_size`` images (ADM's evaluator: 5000).
+  ADM's ``_create_softmax_graph`` multiplies the pool feature by the ``softmax/logits`` weights
+  without their bias; these logits (pytorch-fid's ``fc``) include it.
 
 Protocol note: the network and preprocessing are pytorch-fid's (bilinear resize to 299 with
 ``align_corners=False``, ``x/255 * 2 - 1``). ADM's evaluator feeds the TensorFlow graph of the same
@@ -35,7 +42,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from decay_jax import paths
 from decay_jax.data.folder import IMAGE_EXTENSIONS
+from decay_jax.evals import manifold
+from decay_jax.models import inception as inception_lib
 
+# ADM's reference-batch keys besides arr_0, and the feature each pair describes.
+STAT_KEYS = {"mu": "sigma", "mu_s": "sigma_s"}
+FEATURE_DIMS = {"mu": inception_lib.POOL_DIM, "mu_s": inception_lib.SPATIAL_DIM}
+REF_IMAGES = 10_000  # images in ADM's VIRTUAL_* reference batches (arr_0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -95,18 +108,55 @@ def inception_score(logits: np.ndarray, split_size: int = 5000) -> float:
 
 def save_stats(path: str, mu: np.ndarray, sigma: np.ndarray) -> None:
   """``.npz`` with ``mu`` and ``sigma`` (the keys of ADM's reference batches and pytorch-fid)."""
-  paths.save_npz(path, mu=np.asarray(mu), sigma=np.asarray(sigma))
+  save_batch(path, {"mu": mu, "sigma": sigma})
+
+
+def save_batch(path: str, stats: Dict[str, np.ndarray], images: Optional[np.ndarray] = None
+               ) -> None:
+  """A reference batch in ADM's layout: ``arr_0`` (uint8 images, if given) and the statistics
+  ``mu``, ``sigma``, ``mu_s``, ``sigma_s`` that ``stats`` holds (float64)."""
+  arrays = {} if images is None else {"arr_0": np.asarray(images, np.uint8)}
+  arrays.update({k: np.asarray(v, np.float64) for k, v in stats.items() if k in STAT_KEYS
+                 or k in STAT_KEYS.values()})
+  paths.save_npz(path, **arrays)
+
+
+def read_batch(path: str) -> Tuple[Dict[str, np.ndarray], bool]:
+  """``(stats, has_images)`` of an ``.npz``: the statistics it holds (``mu``/``sigma`` and/or
+  ``mu_s``/``sigma_s``, float64) and whether it has ``arr_0`` images. Checks that every ``mu``
+  has its ``sigma`` of matching shape and that the file holds something usable."""
+  with paths.load_numpy(path) as f:
+    keys = set(f.keys())
+    stats = {k: np.asarray(f[k], np.float64) for k in keys
+             if k in STAT_KEYS or k in STAT_KEYS.values()}
+  for mu_key, sigma_key in STAT_KEYS.items():
+    if (mu_key in stats) != (sigma_key in stats):
+      have, miss = (mu_key, sigma_key) if mu_key in stats else (sigma_key, mu_key)
+      raise ValueError(f"{path}: has {have} but no {miss}; write both (decay_jax.cli.fid "
+                       f"--save_stats) or neither")
+    if mu_key in stats:
+      mu, sigma = stats[mu_key], stats[sigma_key]
+      if mu.ndim != 1 or sigma.shape != mu.shape * 2:
+        raise ValueError(f"{path}: {mu_key} {mu.shape} and {sigma_key} {sigma.shape} are not "
+                         f"allowed; need (D,) and (D, D)")
+  if not stats and "arr_0" not in keys:
+    raise ValueError(f"{path} is not allowed; it has neither mu/sigma nor arr_0 "
+                     f"(keys: {sorted(keys)})")
+  return stats, "arr_0" in keys
 
 
 def load_stats(path: str) -> Optional[Tuple[np.ndarray, np.ndarray]]:
   """``(mu, sigma)`` of an ``.npz`` holding them, or None if it holds images only."""
-  with paths.load_numpy(path) as f:
-    if "mu" in f and "sigma" in f:
-      return np.asarray(f["mu"], np.float64), np.asarray(f["sigma"], np.float64)
-    if "arr_0" not in f:
-      raise ValueError(f"{path} is not allowed; it has neither mu/sigma nor arr_0 "
-                       f"(keys: {sorted(f.keys())})")
-  return None
+  stats, _ = read_batch(path)
+  return (stats["mu"], stats["sigma"]) if "mu" in stats else None
+
+
+def subset(n: int, size: int, seed: int = 0) -> np.ndarray:
+  """Sorted indices of ``min(n, size)`` of ``range(n)`` drawn without replacement (the images a
+  reference batch keeps: a folder sorted by class would otherwise give its first classes)."""
+  if size >= n:
+    return np.arange(n)
+  return np.sort(np.random.default_rng(seed).choice(n, size, replace=False))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -190,7 +240,8 @@ def _inception_forward(model, mesh: Mesh):
 def inception_activations(model, params, images: np.ndarray, batch_size: int = 200,
                           mesh: Optional[Mesh] = None, what: str = "images"
                           ) -> Dict[str, np.ndarray]:
-  """``{'pool': (N, 2048), 'logits': (N, 1008)}`` float32 of uint8 ``images (N, H, W, 3)``.
+  """``{'pool': (N, 2048), 'spatial': (N, 2023), 'logits': (N, 1008)}`` float32 of uint8
+  ``images (N, H, W, 3)``.
 
   Batches are split over the devices of ``mesh`` (default: this process's devices); the last
   batch is padded, so one program serves all batches. Logs progress and ETA.
@@ -200,7 +251,7 @@ def inception_activations(model, params, images: np.ndarray, batch_size: int = 2
   batch = max(per, (batch_size // per) * per)
   fwd, sharding = _inception_forward(model, mesh)
   params = jax.device_put(params, NamedSharding(mesh, P()))  # replicated on the mesh
-  pools, logits = [], []
+  outs = {"pool": [], "spatial": [], "logits": []}
   n = len(images)
   progress = Progress(f"inception features of {what}", n)
   for start, stop in _batches(n, batch):
@@ -208,7 +259,63 @@ def inception_activations(model, params, images: np.ndarray, batch_size: int = 2
     if len(x) < batch:
       x = np.concatenate([x, np.zeros((batch - len(x),) + x.shape[1:], x.dtype)])
     out = jax.device_get(fwd(params, jax.device_put(x, sharding)))
-    pools.append(np.asarray(out["pool"])[:stop - start])
-    logits.append(np.asarray(out["logits"])[:stop - start])
+    for key, parts in outs.items():
+      parts.append(np.asarray(out[key])[:stop - start])
     progress.update(stop)
-  return {"pool": np.concatenate(pools), "logits": np.concatenate(logits)}
+  return {key: np.concatenate(parts) for key, parts in outs.items()}
+
+
+# ------------------------------------------------------------------------------------------------
+# All metrics of a sample set against a reference
+# ------------------------------------------------------------------------------------------------
+
+
+def describe(path: str, model=None, params=None, batch_size: int = 200, keep_images: int = 0,
+             what: str = "images") -> Dict[str, np.ndarray]:
+  """What the metrics need of one input (an ``.npz`` in ADM's layout, an image ``.npz`` or a
+  folder): the statistics ``mu``/``sigma``/``mu_s``/``sigma_s`` (the file's where it has them, as
+  ADM's ``read_statistics``; else those of its images), and with a ``model`` the images' ``pool``
+  features and ``logits`` (ADM computes precision/recall on the reference's ``arr_0`` even when
+  the file holds statistics), ``n`` and, if ``keep_images``, a random subset ``images`` of at most
+  that many images (``subset``)."""
+  stats, has_images = read_batch(path) if str(path).endswith(".npz") else ({}, True)
+  side: Dict[str, np.ndarray] = dict(stats)
+  if has_images and model is not None:
+    images = load_images(path)
+    acts = inception_activations(model, params, images, batch_size, what=what)
+    side.update(pool=acts["pool"], logits=acts["logits"], n=len(images))
+    for mu_key, feature in (("mu", "pool"), ("mu_s", "spatial")):
+      if mu_key not in side:
+        side[mu_key], side[STAT_KEYS[mu_key]] = statistics(acts[feature])
+    if keep_images:
+      side["images"] = images[subset(len(images), keep_images)]
+  return side
+
+
+def compare(samples: Dict, ref: Dict, is_split_size: int = 5000, pr_k: int = manifold.PR_K,
+            dc_k: int = manifold.DC_K, half: bool = True, batch: int = manifold.BATCH,
+            names: Tuple[str, str] = ("samples", "reference")) -> Tuple[Dict[str, float], list]:
+  """``(metrics, missing)``: FID, sFID, IS, precision, recall, density and coverage of the
+  ``describe`` dicts ``samples`` and ``ref``, each where its inputs are there; ``missing`` names the
+  others (no spatial statistics, no features)."""
+  result, missing = {}, []
+  for metric, mu_key in (("fid", "mu"), ("sfid", "mu_s")):
+    if mu_key not in samples or mu_key not in ref:
+      missing.append(metric)
+      continue
+    if samples[mu_key].shape != ref[mu_key].shape:
+      raise ValueError(f"{mu_key} of {names[0]} has {samples[mu_key].shape[0]} dims and of "
+                       f"{names[1]} {ref[mu_key].shape[0]}; both must come from the same "
+                       f"network layer ({FEATURE_DIMS[mu_key]} dims here)")
+    result[metric] = frechet_distance(samples[mu_key], samples[STAT_KEYS[mu_key]], ref[mu_key],
+                                      ref[STAT_KEYS[mu_key]])
+  if "logits" in samples:
+    result["inception_score"] = inception_score(samples["logits"], is_split_size)
+  else:
+    missing.append("inception_score")
+  if "pool" in samples and "pool" in ref:
+    result.update(manifold.precision_recall(ref["pool"], samples["pool"], pr_k, half, batch))
+    result.update(manifold.density_coverage(ref["pool"], samples["pool"], dc_k, batch))
+  else:
+    missing += ["precision", "recall", "density", "coverage"]
+  return result, missing

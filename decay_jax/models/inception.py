@@ -11,8 +11,17 @@ Inception Score.
 Input: images ``(N, H, W, 3)`` float in [0, 1] (uint8 / 255), any size. As pytorch-fid's
 ``InceptionV3(resize_input=True, normalize_input=True)``: bilinear resize to 299x299
 (``align_corners=False``, no antialiasing), ``2x - 1``, then the blocks. Output:
-``{'pool': (N, 2048) final average pool (the FID feature), 'logits': (N, 1008)}``.
-BatchNorm is eval-mode (running statistics, eps 1e-3).
+``{'pool': (N, 2048) final average pool (the FID feature), 'spatial': (N, 2023), 'logits':
+(N, 1008)}``. BatchNorm is eval-mode (running statistics, eps 1e-3).
+
+``spatial`` is the sFID feature of ADM's evaluator (guided-diffusion ``evaluations/evaluator.py``:
+``FID_SPATIAL_NAME = "mixed_6/conv:0"``, then ``spatial[..., :7]`` and a reshape to ``(N, -1)``).
+In the TF graph the seventh mixed block is ``mixed_6`` (``mixed``, ``mixed_1``, ``mixed_2`` are
+Mixed_5b-d, ``mixed_3`` is Mixed_6a, ``mixed_4``-``mixed_7`` are Mixed_6b-e), and ``mixed_6/conv``
+is its first branch, the 1x1 conv + BatchNorm + ReLU that torchvision names ``Mixed_6d.branch1x1``
+(192 channels at 17x17). That branch is the first slice of the block's concatenated output, so
+the feature is ``Mixed_6d``'s output ``[..., :7]`` flattened in (row, column, channel) order, the
+order of TF's NHWC reshape: ``17 * 17 * 7 = 2023`` values (for the 299x299 input).
 """
 
 from __future__ import annotations
@@ -27,6 +36,9 @@ from decay_jax.models.layers import Dtype
 
 SIZE = 299
 POOL_DIM = 2048
+SPATIAL_BLOCK = "Mixed_6d"  # TF graph: mixed_6 (its branch ``conv`` is channels [:192])
+SPATIAL_CHANNELS = 7        # ADM: spatial[..., :7]
+SPATIAL_DIM = 17 * 17 * SPATIAL_CHANNELS
 NUM_LOGITS = 1008
 BN_EPS = 1e-3
 
@@ -180,9 +192,11 @@ class FIDInceptionV3(nn.Module):
     x = InceptionB(self.dtype, name="Mixed_6a")(x)
     for name, c7 in (("Mixed_6b", 128), ("Mixed_6c", 160), ("Mixed_6d", 160), ("Mixed_6e", 192)):
       x = InceptionC(c7, self.dtype, name=name)(x)
+      if name == SPATIAL_BLOCK:
+        spatial = x[..., :SPATIAL_CHANNELS].astype(jnp.float32).reshape(x.shape[0], -1)
     x = InceptionD(self.dtype, name="Mixed_7a")(x)
     x = InceptionE("avg", self.dtype, name="Mixed_7b")(x)
     x = InceptionE("max", self.dtype, name="Mixed_7c")(x)
     pool = x.astype(jnp.float32).mean(axis=(1, 2))
     logits = nn.Dense(NUM_LOGITS, dtype=jnp.float32, name="fc")(pool)
-    return {"pool": pool, "logits": logits}
+    return {"pool": pool, "spatial": spatial, "logits": logits}
