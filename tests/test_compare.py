@@ -61,6 +61,23 @@ def test_grid_is_the_product_of_the_fields_with_typed_values():
   assert grid.seeds(base, 3) == [0, 1, 2]
 
 
+def test_arms_listed_one_by_one():
+  base = load_config("mae_cpu_mnist")
+  arms = grid.parse_arms(base, ["model.alpha_min=0.6", "model.alpha_min=1+model.branch_gain=rezero",
+                                "model.alpha_min=1+model.shortcut_form=sqrt_half_both"])
+  assert [a.dirname(0, 0) for a in arms] == [
+      "alpha_0.6", "alpha_1_branch_gain_rezero", "alpha_1_shortcut_form_sqrt_half_both"]
+  assert arms[1].name == "alpha_min=1, branch_gain=rezero"
+  for spec, phrase in [("model.alpha_min=0.6,1", "write FIELD=V joined by '+'"),
+                       ("model.alpha_min=1+model.alpha_min=0.5", "model.alpha_min is given twice"),
+                       ("model.nope=1", "the config has no such field")]:
+    with pytest.raises(ValueError) as e:
+      grid.parse_arms(base, [spec])
+    assert phrase in str(e.value)
+  with pytest.raises(ValueError, match="the same arm is given twice"):
+    grid.parse_arms(base, ["model.alpha_min=0.6", "model.alpha_min=0.60"])
+
+
 @pytest.mark.parametrize("spec, phrase", [
     ("model.alpha_min", "write FIELD=V1,V2"),
     ("model.alpha=0.6", "grid='model.alpha' is not allowed; the config has no such field"),
@@ -133,5 +150,5 @@ def test_alphas_and_grid_together_are_one_line(tmp_path):
       cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO),
       capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-      "error: --alphas and --grid were both given; write the alphas as "
-      "--grid=model.alpha_min=... beside the other fields"]
+      "error: --alphas and --grid were given; choose one way to name the arms "
+      "(--alphas=A,B is --grid=model.alpha_min=A,B)"]

@@ -5,8 +5,8 @@
         --grid=model.alpha_min=0.6,1.0 --grid=model.branch_gain=none,layerscale
 
 The arms are the product of the ``--grid`` values (``FIELD=V1,V2,...``, any config field;
-``decay_jax.train.grid``); without ``--grid``, ``--alphas`` varies ``model.alpha_min`` (1.0 is the
-standard residual network). Every arm trains with identical data, schedule and steps, once per
+``decay_jax.train.grid``), or one per ``--arm=FIELD=V[+FIELD=V...]``; otherwise ``--alphas`` varies
+``model.alpha_min`` (1.0 is the standard residual network). Every arm trains with identical data, schedule and steps, once per
 seed (``config.seed + 0 .. seeds-1``), in its own resumable directory ``DIR/<arm>[_seed<N>]``.
 
 With two or more seeds the table gives, per metric, the mean, the standard deviation and the 95%
@@ -35,6 +35,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (one sub-direc
 _ALPHAS = flags.DEFINE_list("alphas", ["0.6", "1.0"], "alpha_min of each arm (without --grid).")
 _GRID = flags.DEFINE_multi_string("grid", [], "FIELD=V1,V2,...: a config field and its values; "
                                   "repeat for a product of several fields.")
+_ARM = flags.DEFINE_multi_string("arm", [], "FIELD=V[+FIELD=V...]: one arm; repeat for each arm "
+                                 "(instead of --grid, for arms that are no product).")
 _SEEDS = flags.DEFINE_integer("seeds", 1, "Runs per arm, seeds config.seed + 0, 1, ...")
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -107,11 +109,14 @@ def stack_pictures(pictures, out: str) -> None:
 
 def _arms(base):
   """The arms and seeds of the flags; one-line ValueError for bad flags."""
-  if _GRID.value and flags.FLAGS["alphas"].present:
-    raise ValueError("--alphas and --grid were both given; write the alphas as "
-                     "--grid=model.alpha_min=... beside the other fields")
-  specs = _GRID.value or ["model.alpha_min=" + ",".join(_ALPHAS.value)]
-  arms = grid_lib.parse(base, specs)
+  given = [f"--{n}" for n in ("alphas", "grid", "arm") if flags.FLAGS[n].present]
+  if len(given) > 1:
+    raise ValueError(f"{' and '.join(given)} were given; choose one way to name the arms "
+                     "(--alphas=A,B is --grid=model.alpha_min=A,B)")
+  if _ARM.value:
+    arms = grid_lib.parse_arms(base, _ARM.value)
+  else:
+    arms = grid_lib.parse(base, _GRID.value or ["model.alpha_min=" + ",".join(_ALPHAS.value)])
   seeds = grid_lib.seeds(base, _SEEDS.value)
   for arm in arms:
     setup.check_config(arm.config(base, seeds[0]))

@@ -2,7 +2,8 @@
 
 A grid is a list of ``FIELD=V1,V2,...`` texts (``FIELD`` a dotted config path such as
 ``model.alpha_min`` or ``model.branch_gain``); the arms are the Cartesian product of the values,
-in the order given (the first field varies slowest). Each arm runs ``seeds`` times, with
+in the order given (the first field varies slowest). Arms that are no product (decay, LayerScale,
+a control) are listed one by one instead: ``FIELD=V[+FIELD=V...]`` each (``parse_arms``). Each arm runs ``seeds`` times, with
 ``config.seed + 0, 1, ...``. Values are read as the type of the field's current value (bool:
 true/false, int, float, str).
 
@@ -115,6 +116,31 @@ def parse(config, specs: Sequence[str]) -> List[Arm]:
       raise validate.not_allowed("grid", spec, "a value is repeated")
     axes.append([(field, v) for v in parsed])
   return [Arm(tuple(cell)) for cell in itertools.product(*axes)]
+
+
+def parse_arms(config, specs: Sequence[str]) -> List[Arm]:
+  """One arm per spec ``FIELD=V[+FIELD=V...]`` (e.g. ``model.alpha_min=1+model.branch_gain=rezero``).
+
+  Raises:
+    ValueError: one line naming the spec, as ``parse``; also two equal arms.
+  """
+  arms = []
+  for spec in specs:
+    cells = []
+    for part in spec.split("+"):
+      field, sep, value = part.partition("=")
+      field = field.strip()
+      if not sep or not field or not value.strip() or "," in value:
+        raise validate.not_allowed("arm", spec, "write FIELD=V joined by '+' (e.g. "
+                                   "model.alpha_min=1+model.branch_gain=rezero)")
+      if field in dict(cells):
+        raise validate.not_allowed("arm", spec, f"{field} is given twice")
+      cells.append((field, _parse(field, _current(config, field), value)))
+    arm = Arm(tuple(cells))
+    if arm in arms:
+      raise validate.not_allowed("arm", spec, "the same arm is given twice")
+    arms.append(arm)
+  return arms
 
 
 def seeds(config, count: int) -> List[int]:
