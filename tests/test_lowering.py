@@ -32,7 +32,10 @@ TRAIN_CONFIGS = ([(name, None) for name in ("mae_vit_b16", "mae_vit_l16", "mae_v
                  + [("sit_s2_routing", row) for row in ROUTING_ROWS]
                  # the residual forms with trained branch gains (docs/residual_forms.md)
                  + [(name, f"branch_gain={gain}") for name in ("mae_vit_b16", "sit_xl2")
-                    for gain in ("layerscale", "rezero")])
+                    for gain in ("layerscale", "rezero")]
+                 # DeepNorm and pre-training's stochastic depth (the step then draws drop_u)
+                 + [(name, form) for name in ("mae_vit_b16", "sit_xl2")
+                    for form in ("norm_position=deepnorm", "drop_path=0.1")])
 # The sample command's default sampler (config.sample: ODE heun, CFG 4) per SiT size and for a
 # routed model, and the SDE sampler of its docstring.
 SAMPLE_CONFIGS = [("sit_b2", None, None), ("sit_xl2", None, None),
@@ -51,7 +54,7 @@ def load_config(name, row=None):
   if row and "=" in row:
     config = get_config()
     field, value = row.split("=")
-    config.model[field] = value
+    config.model[field] = type(config.model[field])(value)
     return config
   return get_config(row) if row else get_config()
 

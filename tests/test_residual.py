@@ -36,7 +36,7 @@ def _load(name, tmp_path):
 
 
 # Residual fields added since the fixture was written, at their defaults (the published forms).
-NEW_FIELDS = {"branch_gain": "none", "gain_init": -1.0}
+NEW_FIELDS = {"branch_gain": "none", "gain_init": -1.0, "norm_position": "pre", "drop_path": 0.0}
 
 
 def same_fields(now: dict, stored: dict) -> bool:
@@ -114,7 +114,9 @@ def test_fields_round_trip_and_defaults_per_model():
       spec, alpha_min=0.5)
   assert Residual.from_fields({"residual": spec, "alpha_min": 0.5})[0].alpha_min == 0.5
   assert mae_lib.MaskedAutoencoder().residual == Residual()
-  assert vit_lib.ViTClassifier(num_classes=3).residual == Residual()
+  # the fine-tuning ViT's drop path (timm's 0.1) is the spec's field, as in pre-training
+  assert vit_lib.ViTClassifier(num_classes=3).residual == Residual(drop_path=0.1)
+  assert vit_lib.ViTClassifier(num_classes=3, drop_path=0.2).drop_path == 0.2
   assert sit_lib.SiT().residual == Residual(alpha_min=0.8)
   assert uvit_lib.UViT().residual == Residual(alpha_min=0.7)
 
@@ -125,6 +127,8 @@ def test_fields_round_trip_and_defaults_per_model():
     (dict(schedule_convention="x"), "schedule_convention='x' is not allowed; choose one of"),
     (dict(schedule_shape="step"), "schedule_shape='step' is not allowed"),
     (dict(shortcut_form="rezero"), "shortcut_form='rezero' is not allowed; choose one of 'decay'"),
+    (dict(norm_position="after"), "norm_position='after' is not allowed; choose one of 'pre'"),
+    (dict(drop_path=1.0), r"drop_path=1.0 is not allowed; it must be a number in \[0, 1\)"),
 ])
 def test_bad_fields_fail_when_the_spec_is_built(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -210,7 +214,10 @@ def test_every_config_holds_every_residual_field_flat():
   for make, alpha_min in ((config_lib.mae_config, 0.7), (config_lib.finetune_config, 1.0),
                           (config_lib.sit_config, 0.8), (config_lib.uvit_config, 0.7)):
     model = make().model
-    assert {k: model[k] for k in residual.NAMES} == Residual(alpha_min=alpha_min).fields()
+    # fine-tuning keeps upstream MAE's drop path 0.1 (now the spec's field); pre-training 0 (off)
+    drop_path = 0.1 if make is config_lib.finetune_config else 0.0
+    assert {k: model[k] for k in residual.NAMES} == Residual(alpha_min=alpha_min,
+                                                             drop_path=drop_path).fields()
 
 
 def test_build_model_builds_one_spec_and_finetuning_takes_the_pretrained_spec():
@@ -224,7 +231,8 @@ def test_build_model_builds_one_spec_and_finetuning_takes_the_pretrained_spec():
   ft = config_lib.finetune_config()
   ft.model.preset = "micro/4"
   classifier = factory.build_model(ft, info, pretrained=pretrained)
-  assert classifier.residual is pretrained.residual  # the object, not a copied field list
+  # the pre-trained spec, not the config's fields; only the drop path is fine-tuning's own
+  assert classifier.residual == dataclasses.replace(pretrained.residual, drop_path=0.1)
   bad = config_lib.sit_config()
   bad.model.schedule_shape = "step"
   with pytest.raises(ValueError, match="^model.schedule_shape='step' is not allowed"):

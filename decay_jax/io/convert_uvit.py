@@ -9,7 +9,7 @@ from typing import List, Mapping, Tuple
 import jax.numpy as jnp
 
 from decay_jax.io.rules import (ConversionError, Report, Rule, abstract_params, as_numpy,
-                                check_branch_gains,
+                                check_residual_form,
                                 conv_rules, dense_rules, from_torch, norm_rules, to_torch,
                                 vit_block_rules)
 from decay_jax.io.sizes import layer_count
@@ -57,7 +57,7 @@ def _uvit_init_args(model: uvit_lib.UViT):
 def uvit_from_torch(state_dict: Mapping, model: uvit_lib.UViT) -> Tuple[dict, Report]:
   """U-ViT state_dict (``nnet.pth`` / ``nnet_ema.pth`` or a released ``.pth``) -> Flax params of
   ``model``. Every key must match; the decay schedule is the model's (not in the state_dict)."""
-  check_branch_gains(model, "U-ViT")
+  check_residual_form(model, "U-ViT")
   targets = abstract_params(model, *_uvit_init_args(model))
   targets.pop(("alpha",), None)
   params, report = from_torch(state_dict, uvit_rules(model), targets)
@@ -70,7 +70,7 @@ def uvit_from_torch(state_dict: Mapping, model: uvit_lib.UViT) -> Tuple[dict, Re
 def uvit_to_torch(params: Mapping, model: uvit_lib.UViT) -> "collections.OrderedDict":
   """Flax params -> U-ViT state_dict (numpy), keys in U-ViT's order. With ``skip_mode='add'`` the
   keys are U-ViT's but ``skip_linear`` is (D, D), which only the test reference's option loads."""
-  check_branch_gains(model, "U-ViT")
+  check_residual_form(model, "U-ViT")
   if model.shortcuts.learnable:
     raise ConversionError("shortcut_form='learnable' has no counterpart in U-ViT")
   return to_torch(params, uvit_rules(model))

@@ -27,7 +27,7 @@ import numpy as np
 from flax import traverse_util
 
 from decay_jax.io.rules import (ConversionError, Report, Rule, abstract_params,
-                                check_branch_gains, check_table,
+                                check_residual_form, check_table,
                                 conv_rules, dense_rules, from_torch, norm_rules, to_torch,
                                 vit_block_rules)
 from decay_jax.models import mae as mae_lib
@@ -105,7 +105,7 @@ def mae_from_torch(state_dict: Mapping, model: mae_lib.MaskedAutoencoder) -> Tup
 
   ``model`` must carry the checkpoint's ``alpha_min`` (it is not in the state_dict).
   """
-  check_branch_gains(model, "the official model")
+  check_residual_form(model, "the official model")
   check_table(state_dict, "pos_embed", model.pos_embed())
   check_table(state_dict, "decoder_pos_embed", model.decoder_pos_embed())
   ignore = {"pos_embed": "fixed sin-cos table (a module constant here; checked)",
@@ -123,7 +123,7 @@ def mae_from_torch(state_dict: Mapping, model: mae_lib.MaskedAutoencoder) -> Tup
 def vit_from_torch(state_dict: Mapping, model) -> Tuple[dict, Report]:
   """A fine-tuning classifier's state_dict (upstream ``models_vit`` names, global pooling) ->
   Flax params of ``model`` (``models.vit.ViTClassifier``); every key must match."""
-  check_branch_gains(model, "the official model")
+  check_residual_form(model, "the official model")
   init_args = (jnp.zeros((1, model.img_size, model.img_size, model.in_chans)),)
   return from_torch(state_dict, vit_rules(model), abstract_params(model, *init_args))
 
@@ -152,7 +152,7 @@ def mae_to_torch(params: Mapping, model: mae_lib.MaskedAutoencoder) -> "collecti
   Includes the fixed tables ``pos_embed`` / ``decoder_pos_embed`` and, for ViT-L/H, official-init
   values for the unused SkipLayers, so ``load_state_dict(strict=True)`` works on the official model.
   """
-  check_branch_gains(model, "the official model")
+  check_residual_form(model, "the official model")
   params = {k: v for k, v in params.items() if k != "alpha"}
   if model.shortcuts.learnable:
     raise ConversionError("shortcut_form='learnable' has no counterpart in the official model")
@@ -178,7 +178,7 @@ def sit_init_args(model: sit_lib.SiT):
 
 def sit_from_torch(state_dict: Mapping, model: sit_lib.SiT) -> Tuple[dict, Report]:
   """Official SiT ``model`` or ``ema`` state_dict -> Flax params of ``model``."""
-  check_branch_gains(model, "the official model")
+  check_residual_form(model, "the official model")
   check_table(state_dict, "pos_embed", model.pos_embed())
   targets = abstract_params(model, *sit_init_args(model))
   targets.pop(("alpha",), None)
@@ -192,7 +192,7 @@ def sit_from_torch(state_dict: Mapping, model: sit_lib.SiT) -> Tuple[dict, Repor
 
 def sit_to_torch(params: Mapping, model: sit_lib.SiT) -> "collections.OrderedDict":
   """Flax params -> official SiT state_dict (numpy) including the fixed ``pos_embed``."""
-  check_branch_gains(model, "the official model")
+  check_residual_form(model, "the official model")
   if model.shortcuts.learnable:
     raise ConversionError("shortcut_form='learnable' has no counterpart in the official model")
   sd = collections.OrderedDict(pos_embed=model.pos_embed()[None])

@@ -210,10 +210,15 @@ def check_table(state_dict: Mapping, key: str, expected: np.ndarray) -> None:
                           f"{POS_EMBED_ATOL}); this is not an official checkpoint layout")
 
 
-def check_branch_gains(model, where: str) -> None:
-  """Refuses, in one line, a model whose blocks carry trained branch gains (LayerScale, ReZero):
-  ``where`` (the official models, U-ViT) has no parameters to hold them."""
-  gain = model.residual.branch_gain
-  if gain != "none":
-    raise ConversionError(f"branch_gain={gain!r} has no counterpart in {where} (its gains are "
-                          "parameters that layout has no place for)")
+def check_residual_form(model, where: str) -> None:
+  """Refuses, in one line, a model whose blocks ``where`` (the official models, U-ViT) cannot
+  hold: trained branch gains (LayerScale, ReZero: parameters that layout has no place for), or
+  a norm after the sum (post-norm, DeepNorm: the same parameters, but those models apply their
+  norms before the branch). Stochastic depth (``drop_path``) is training-only and converts."""
+  res = model.residual
+  if res.branch_gain != "none":
+    raise ConversionError(f"branch_gain={res.branch_gain!r} has no counterpart in {where} (its "
+                          "gains are parameters that layout has no place for)")
+  if res.norm_position != "pre":
+    raise ConversionError(f"norm_position={res.norm_position!r} has no counterpart in {where} "
+                          "(its blocks are pre-norm)")

@@ -51,9 +51,10 @@ def _uvit(config, info, preset, residual, m, pretrained):
 
 
 def _finetune(config, info, preset, residual, m, pretrained):
-  """Over ``pretrained``'s encoder (its sizes and its residual spec object), else ``preset``'s."""
+  """Over ``pretrained``'s encoder (its sizes and its residual spec object, with the config's
+  fine-tuning ``drop_path``), else ``preset``'s."""
   del config
-  run = dict(drop_path=m["drop_path"], dtype=m["dtype"], attention_impl=m["attention_impl"],
+  run = dict(drop_path=residual.drop_path, dtype=m["dtype"], attention_impl=m["attention_impl"],
              remat_policy=m["remat_policy"], img_size=info["image_size"])
   if pretrained is None:
     return vit_lib.vit(preset, info["num_classes"], in_chans=info["channels"], residual=residual,

@@ -161,19 +161,21 @@ class MaskedAutoencoder(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
     """Patch tokens plus positions, ``(N, L, D)`` float32."""
     return self.patch_embed(imgs).astype(jnp.float32) + self.pos_embed()[None, 1:]
 
-  def run_encoder(self, x):
-    """Prepends cls, runs all blocks. Returns every block's output, ``(depth, N, T, D)``."""
+  def run_encoder(self, x, drop_u=None):
+    """Prepends cls, runs all blocks. Returns every block's output, ``(depth, N, T, D)``.
+    ``drop_u (depth, N, 2)``: the drop-path draws of training (``residual.drop_path``)."""
     cls = self.cls_token + self.pos_embed()[None, :1]
     x = jnp.concatenate([jnp.broadcast_to(cls, (x.shape[0], 1, self.dim)), x], axis=1)
-    _, outs = self.blocks(x, self.alpha)
+    _, outs = self.blocks(x, self.alpha, jnp.asarray(self.residual.drop_path_rates(self.depth)),
+                          drop_u)
     return outs
 
-  def forward_encoder(self, imgs, noise):
+  def forward_encoder(self, imgs, noise, drop_u=None):
     """Masked encoder (1.6): ``(block outputs (depth, N, 1+K, D), mask, ids_restore)``."""
     x = self.embed(imgs)
     ids_keep, mask, ids_restore = random_masking(noise, self.len_keep)
     x = jnp.take_along_axis(x, ids_keep[:, :, None], axis=1)
-    return self.run_encoder(x), mask, ids_restore
+    return self.run_encoder(x, drop_u), mask, ids_restore
 
   def forward_decoder(self, block_outs, ids_restore):
     """Decoder (1.8). Returns predictions ``(N, L, p*p*C)`` and per-block mean token norms."""
@@ -198,8 +200,10 @@ class MaskedAutoencoder(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
     per_patch = ((pred - target) ** 2).mean(axis=-1)
     return (per_patch * mask).sum() / mask.sum()
 
-  def __call__(self, imgs, noise=None) -> Dict[str, Any]:
+  def __call__(self, imgs, noise=None, drop_u=None) -> Dict[str, Any]:
     """Training forward. ``noise (N, L)`` fixes the masking; otherwise the 'masking' RNG is used.
+    ``drop_u (depth, N, 2)``: the uniform draws of stochastic depth in the encoder (training with
+    ``residual.drop_path > 0``); without them no branch is dropped.
 
     Returns a dict: ``loss`` (scalar), ``pred (N, L, p*p*C)``, ``mask (N, L)``, ``latent``
     (final block on the visible tokens, ``(N, 1+K, D)``), and the mean token L2 norms of every
@@ -207,7 +211,7 @@ class MaskedAutoencoder(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
     """
     if noise is None:
       noise = jax.random.uniform(self.make_rng("masking"), (imgs.shape[0], self.num_patches))
-    block_outs, mask, ids_restore = self.forward_encoder(imgs, noise)
+    block_outs, mask, ids_restore = self.forward_encoder(imgs, noise, drop_u)
     pred, dec_norms = self.forward_decoder(block_outs, ids_restore)
     return dict(loss=self.loss(imgs, pred, mask), pred=pred, mask=mask, latent=block_outs[-1],
                 encoder_norms=jnp.linalg.norm(block_outs, axis=-1).mean(axis=(1, 2)),

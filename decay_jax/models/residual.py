@@ -24,6 +24,19 @@ A trained gain on each branch (``branch_gain``) replaces ``f`` by ``g * f``:
 Gains are parameters ``gain_attn`` and ``gain_mlp`` of each block (``branch``). They combine with
 any ``alpha`` schedule (``alpha_min = 1`` gives the published forms).
 
+Where the sublayer's norm sits (``norm_position``):
+
+  * ``'pre'`` (the models' own): ``x <- alpha x + g f(LN(x))``;
+  * ``'post'``: ``x <- LN(alpha x + g f(x))``;
+  * ``'deepnorm'`` (DeepNet, Wang et al. 2022): post-norm with the identity up-weighted by
+    ``a = (2N)^(1/4)``, ``x <- LN(a alpha x + g f(x))``, and the init of the FFN (``fc1``,
+    ``fc2``), the value third of ``qkv`` and ``attn.proj`` scaled by ``b = (8N)^(-1/4)``, for a
+    model of ``N`` blocks (the encoder-only constants).
+
+Stochastic depth (``drop_path``, timm's rule: rate ``linspace(0, drop_path, N)[l]`` in block
+``l``) drops each example's branch with that probability and divides the kept ones by the keep
+probability; only where the caller passes the uniform draws (training; ``drop_path_rates``).
+
 ``Residual`` is the one object that models and blocks take for this (``MaskedAutoencoder``,
 ``SiT``, ``ViTClassifier`` and ``UViT`` each have one field ``residual``; the blocks a keyword
 ``residual``). It holds the fields (the names of ``model.json`` and of the config's ``model``
@@ -48,6 +61,7 @@ import functools
 from typing import Any, Mapping, Optional, Tuple
 
 import jax.numpy as jnp
+import numpy as np
 
 from decay_jax import validate
 from decay_jax.models import schedules
@@ -70,6 +84,11 @@ class Residual:
     branch_gain: 'none', 'layerscale' or 'rezero': a trained gain on every branch (module
       docstring).
     gain_init: the gains' initial value; -1 (default) is the form's own (CaiT's rule, or 0).
+    norm_position: 'pre', 'post' or 'deepnorm': where each sublayer's LayerNorm sits (module
+      docstring).
+    drop_path: stochastic depth, the largest per-block drop rate in [0, 1); 0 is off.
+    model_depth: not a flat field: the model's block count, set by ``at_depth`` where a form needs
+      it (DeepNorm's constants).
 
   Built specs are checked (one-line ``ValueError`` naming the field), hashable and immutable, so a
   Flax module can hold one as a field.
@@ -80,6 +99,9 @@ class Residual:
   shortcut_form: str = "decay"
   branch_gain: str = "none"
   gain_init: float = -1.0
+  norm_position: str = "pre"
+  drop_path: float = 0.0
+  model_depth: int = dataclasses.field(default=0, metadata={"flat": False})
 
   def __post_init__(self):
     self.check()
@@ -95,6 +117,8 @@ class Residual:
                                        and self.gain_init >= 0.0):
       raise validate.not_allowed("gain_init", self.gain_init,
                                  "it must be >= 0, or -1 for the form's own initial value")
+    validate.check_choice("norm_position", self.norm_position, NORM_POSITIONS)
+    validate.check_range("drop_path", self.drop_path, 0.0, 1.0, high_open=True)
 
   # ----- flat fields (model.json, configs) --------------------------------------------------------
   def fields(self) -> dict:
@@ -153,12 +177,16 @@ class Residual:
 
   # ----- the branch gains -------------------------------------------------------------------------
   def at_depth(self, depth: int) -> "Residual":
-    """This spec with ``gain_init`` resolved for a model of ``depth`` blocks (models pass it to
-    their blocks): CaiT's LayerScale rule, or ReZero's 0, where ``gain_init`` is -1."""
-    if self.branch_gain == "none" or self.gain_init != -1.0:
-      return self
-    init = 0.0 if self.branch_gain == "rezero" else cait_init(depth)
-    return dataclasses.replace(self, gain_init=init)
+    """This spec resolved for a model of ``depth`` blocks (models pass it to their blocks):
+    ``gain_init`` -1 becomes CaiT's LayerScale rule or ReZero's 0, and DeepNorm records ``depth``
+    (``model_depth``) for its constants. Unchanged where nothing depends on the depth."""
+    spec = self
+    if self.branch_gain != "none" and self.gain_init == -1.0:
+      init = 0.0 if self.branch_gain == "rezero" else cait_init(depth)
+      spec = dataclasses.replace(spec, gain_init=init)
+    if self.norm_position == "deepnorm":
+      spec = dataclasses.replace(spec, model_depth=int(depth))
+    return spec
 
   def branch(self, module, name: str, f):
     """``g * branch_scale * f(x)`` for a branch ``f (N, T, C)`` of ``module``: ``g`` its trainable
@@ -181,12 +209,63 @@ class Residual:
     ``attn.proj`` / ``mlp.fc2``, DiT's adaLN-Zero, U-ViT's ``zero_init_branches``). Not with
     ReZero: its gain starts at 0 and a zero branch as well would leave both without a gradient
     (``d/dg`` is ``f``, ``d/df`` is ``g``), so the blocks start the branch at their usual random
-    init instead, as ReZero does."""
-    return self.branch_gain != "rezero"
+    init instead, as ReZero does. Not with DeepNorm either: its init is the branch's random init
+    scaled by ``beta`` (``scaled_init``), which a zero layer would void."""
+    return self.branch_gain != "rezero" and self.norm_position != "deepnorm"
 
-  def add(self, x, alpha, branch):
-    """``alpha * x + branch`` with the branch (already scaled, ``branch``) cast to ``x``'s dtype."""
-    return alpha * x + branch.astype(x.dtype)
+  # ----- the norm placement and DeepNorm ---------------------------------------------------------
+  def branch_input(self, norm, x):
+    """What a sublayer's branch reads: ``norm(x)`` with pre-norm, ``x`` itself with post-norm
+    (``norm`` is then applied to the sum, in ``add``)."""
+    return norm(x) if self.norm_position == "pre" else x
+
+  @property
+  def deepnorm_gains(self) -> Tuple[float, float]:
+    """``(alpha, beta)``: DeepNorm's ``((2N)^(1/4), (8N)^(-1/4))`` for the ``N = model_depth``
+    blocks (``deepnorm_constants(N)``), ``(1, 1)`` in the other forms."""
+    if self.norm_position != "deepnorm":
+      return 1.0, 1.0
+    if self.model_depth < 1:
+      raise ValueError("norm_position='deepnorm' needs the model's depth: pass "
+                       "residual.at_depth(depth) to the blocks")
+    return deepnorm_constants(self.model_depth)
+
+  def shortcut(self, alpha):
+    """The identity coefficient of a sublayer: ``alpha``, times DeepNorm's ``(2N)^(1/4)``."""
+    up = self.deepnorm_gains[0]
+    return alpha if up == 1.0 else up * alpha
+
+  def scaled_init(self, init, value_only: bool = False):
+    """A branch layer's initialiser: ``init``, or with DeepNorm ``beta * init`` (the Xavier init
+    with gain ``beta`` where ``init`` is Xavier's). ``value_only``: only the value third
+    ``[..., 2C:]`` of a fused qkv kernel ``(C, 3C)``, laid out ``[q | k | v]``."""
+    beta = self.deepnorm_gains[1]
+    if beta == 1.0:
+      return init
+
+    def scaled(key, shape, dtype=jnp.float32):
+      w = init(key, shape, dtype)
+      if not value_only:
+        return beta * w
+      return w.at[..., 2 * (shape[-1] // 3):].multiply(beta)
+    return scaled
+
+  def add(self, x, alpha, branch, norm=None):
+    """``alpha * x + branch`` (pre-norm), or ``norm(shortcut(alpha) * x + branch)`` (post-norm
+    and DeepNorm: ``norm`` the sublayer's LayerNorm), with the branch (already scaled,
+    ``branch``) cast to ``x``'s dtype."""
+    out = self.shortcut(alpha) * x + branch.astype(x.dtype)
+    if self.norm_position == "pre":
+      return out
+    if norm is None:
+      raise ValueError(f"norm_position={self.norm_position!r} needs the sublayer's norm in add")
+    return norm(out)
+
+  # ----- stochastic depth -------------------------------------------------------------------------
+  def drop_path_rates(self, depth: int):
+    """timm's per-block drop rates, float32 ``linspace(0, drop_path, depth)``: block 0 never
+    drops."""
+    return np.linspace(0.0, self.drop_path, depth, dtype=np.float64).astype(np.float32)
 
   # ----- the update ------------------------------------------------------------------------------
   def scale_branch(self, branch):
@@ -201,8 +280,16 @@ class Residual:
     return alpha * x + self.scale_branch(branch).astype(x.dtype)
 
 
-NAMES = tuple(f.name for f in dataclasses.fields(Residual))  # the flat keys, in order
+# the flat keys, in order (``model_depth`` is derived, not one of them)
+NAMES = tuple(f.name for f in dataclasses.fields(Residual) if f.metadata.get("flat", True))
 BRANCH_GAINS = ("none", "layerscale", "rezero")
+NORM_POSITIONS = ("pre", "post", "deepnorm")
+
+
+def deepnorm_constants(depth: int) -> Tuple[float, float]:
+  """DeepNorm's ``(alpha, beta) = ((2N)^(1/4), (8N)^(-1/4))`` for an encoder-only model of ``N``
+  blocks (Wang et al. 2022; torchscale ``EncoderLayer.alpha`` and ``Encoder``'s ``init_scale``)."""
+  return (2.0 * depth) ** 0.25, (8.0 * depth) ** -0.25
 
 
 def cait_init(depth: int) -> float:

@@ -280,6 +280,12 @@ def check_fields(m) -> None:
     raise ValueError(f"branch_gain={res.branch_gain!r} is not allowed with residual_routing="
                      f"{m.residual_routing!r}; routed blocks have no branch gains (use "
                      "residual_routing='none')")
+  if m.residual_routing != "none" and res.norm_position != "pre":
+    raise ValueError(f"norm_position={res.norm_position!r} is not allowed with residual_routing="
+                     f"{m.residual_routing!r}; routed blocks are pre-norm (use 'pre')")
+  if m.residual_routing != "none" and res.drop_path:
+    raise ValueError(f"drop_path={res.drop_path!r} is not allowed with residual_routing="
+                     f"{m.residual_routing!r}; routed blocks have no stochastic depth (use 0)")
   if m.routing_decay == "null" and res.shortcut_form != "decay":
     raise ValueError(f"routing_decay='null' needs constant coefficients: shortcut_form='decay' "
                      f"(got {res.shortcut_form!r})")

@@ -21,7 +21,7 @@ import numpy as np
 
 from decay_jax.models import fields, layers, routing
 from decay_jax.models import residual as residual_lib
-from decay_jax.models.blocks import SiTBlock, modulate
+from decay_jax.models.blocks import SiTBlock, SiTInputs, modulate
 from decay_jax.models.layers import Dtype
 from decay_jax.models.residual import Residual
 
@@ -129,17 +129,29 @@ class SiT(residual_lib.HasResidual, nn.Module):
       y = jnp.where(drop, self.num_classes, y)
     return self.y_embedder(y)
 
-  def __call__(self, x, t, y, train: bool = False, force_drop_ids=None):
+  def block_inputs(self, half: int, drop_u=None, skips=None) -> SiTInputs:
+    """The scanned inputs of the encoder (``half`` 0) or decoder (1) blocks: their ``alpha``, the
+    long-skip sources ``skips`` (decoder) and, with draws ``drop_u (depth, N, 2)``, their drop
+    rates and draws."""
+    k = self.depth // 2
+    part = slice(0, k) if half == 0 else slice(k, None)
+    if drop_u is None:
+      return SiTInputs(self.alpha[part], skips)
+    rates = jnp.asarray(self.residual.drop_path_rates(self.depth))
+    return SiTInputs(self.alpha[part], skips, rates[part], drop_u[part])
+
+  def __call__(self, x, t, y, train: bool = False, force_drop_ids=None, drop_u=None):
+    """``drop_u (depth, N, 2)``: the uniform draws of stochastic depth (training with
+    ``residual.drop_path > 0``); without them no branch is dropped."""
     n, h, w, c = x.shape
     tokens = self.x_embedder(x).astype(jnp.float32) + self.pos_embed()[None]
     cond = (self.t_embedder(t).astype(jnp.float32)
             + self.embed_labels(y, train, force_drop_ids).astype(jnp.float32))
-    half = self.depth // 2
     if self.residual_routing != "none":
       tokens = self.trunk(tokens, self.alpha, cond)
     else:
-      tokens, enc_outs = self.enc_blocks(tokens, self.alpha[:half], cond)
-      tokens, _ = self.dec_blocks(tokens, (self.alpha[half:], enc_outs[::-1]), cond)
+      tokens, enc_outs = self.enc_blocks(tokens, self.block_inputs(0, drop_u), cond)
+      tokens, _ = self.dec_blocks(tokens, self.block_inputs(1, drop_u, enc_outs[::-1]), cond)
     shift, scale = jnp.split(self.final_adaLN(nn.silu(cond)).astype(jnp.float32), 2, axis=-1)
     out = self.final_linear(modulate(self.norm_final(tokens),
                                      shift, scale)).astype(jnp.float32)

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from decay_jax import validate
 from decay_jax.models import fields, layers, schedules
 from decay_jax.models import residual as residual_lib
-from decay_jax.models.blocks import sow_branch_norms
+from decay_jax.models.blocks import drop_branch, sow_branch_norms
 from decay_jax.models.layers import Dtype
 from decay_jax.models.residual import Residual
 from decay_jax.models.sit import timestep_frequencies
@@ -112,8 +112,9 @@ class UViTBlock(nn.Module):
   attention_impl: Optional[str] = None
 
   @nn.compact
-  def __call__(self, x, xs):
+  def __call__(self, x, xs, drop_rate=0.0, drop_u=None):
     d = x.shape[-1]
+    res = self.residual
     alpha = xs
     if self.skip_mode != "none":
       alpha, s = xs
@@ -122,18 +123,21 @@ class UViTBlock(nn.Module):
         x = skip_linear(jnp.concatenate([x, s], axis=-1)).astype(jnp.float32)
       else:
         x = x + skip_linear(s).astype(x.dtype)
-    last_init = layers.zeros if self.zero_init else linear_init
+    last_init = res.scaled_init(layers.zeros if self.zero_init else linear_init)
+    norm1, norm2 = layer_norm("norm1"), layer_norm("norm2")
     h = layers.Attention(self.num_heads, self.dtype, last_init, self.attention_impl,
-                         qkv_bias=self.qkv_bias, qkv_init=linear_init,
-                         name="attn")(layer_norm("norm1")(x))
-    h = self.residual.branch(self, "attn", h)
-    sow_branch_norms(self, "attn_norms", x, alpha[0], h)
-    x = self.residual.add(x, alpha[0], h)
+                         qkv_bias=self.qkv_bias,
+                         qkv_init=res.scaled_init(linear_init, value_only=True),
+                         name="attn")(res.branch_input(norm1, x))
+    h = res.branch(self, "attn", drop_branch(self, h, drop_rate, drop_u, 0))
+    sow_branch_norms(self, "attn_norms", x, res.shortcut(alpha[0]), h)
+    x = res.add(x, alpha[0], h, norm1)
     h = layers.Mlp(int(d * self.mlp_ratio), approximate_gelu=False, dtype=self.dtype,
-                   fc2_init=last_init, fc1_init=linear_init, name="mlp")(layer_norm("norm2")(x))
-    h = self.residual.branch(self, "mlp", h)
-    sow_branch_norms(self, "mlp_norms", x, alpha[1], h)
-    x = self.residual.add(x, alpha[1], h)
+                   fc2_init=last_init, fc1_init=res.scaled_init(linear_init),
+                   name="mlp")(res.branch_input(norm2, x))
+    h = res.branch(self, "mlp", drop_branch(self, h, drop_rate, drop_u, 1))
+    sow_branch_norms(self, "mlp_norms", x, res.shortcut(alpha[1]), h)
+    x = res.add(x, alpha[1], h, norm2)
     return x, x
 
 
@@ -253,14 +257,17 @@ class UViT(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
       tokens.insert(0, self.label_emb(y).astype(jnp.float32)[:, None])
     return jnp.concatenate(tokens + [patches], axis=1) + self.pos_embed
 
-  def run_blocks(self, tokens):
+  def run_blocks(self, tokens, drop_u=None):
     """All blocks on ``tokens (B, T, D)``: the final stream ``(B, T, D)``, the in-block outputs
-    ``(K, B, T, D)`` (the long-skip sources), the mid output and the out-block outputs."""
+    ``(K, B, T, D)`` (the long-skip sources), the mid output and the out-block outputs.
+    ``drop_u (2K + 1, B, 2)``: the drop-path draws of training (``residual.drop_path``)."""
     k = self.half
-    h, in_outs = self.in_blocks(tokens, self.alpha[:k])
-    h, mid = self.mid_block(h, self.alpha[k])
+    rates = jnp.asarray(self.block_residual.drop_path_rates(self.num_blocks))
+    u = (lambda i, j: None) if drop_u is None else (lambda i, j: drop_u[i:j])
+    h, in_outs = self.in_blocks(tokens, self.alpha[:k], rates[:k], u(0, k))
+    h, mid = self.mid_block(h, self.alpha[k], rates[k], None if drop_u is None else drop_u[k])
     xs = self.alpha[k + 1:] if self.skip_mode == "none" else (self.alpha[k + 1:], in_outs[::-1])
-    h, out_outs = self.out_blocks(h, xs)
+    h, out_outs = self.out_blocks(h, xs, rates[k + 1:], u(k + 1, None))
     return h, in_outs, mid, out_outs
 
   def block_outputs(self, x, t, y=None):
@@ -272,10 +279,11 @@ class UViT(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
     _, in_outs, mid, out_outs = self.run_blocks(self.embed(x, t, y))
     return jnp.concatenate([in_outs, mid[None], out_outs], axis=0)
 
-  def __call__(self, x, t, y=None):
-    """Noise prediction ``(B, H, W, C)`` float32 for ``x (B, H, W, C)``, ``t (B,)``, ``y (B,)``."""
+  def __call__(self, x, t, y=None, drop_u=None):
+    """Noise prediction ``(B, H, W, C)`` float32 for ``x (B, H, W, C)``, ``t (B,)``, ``y (B,)``;
+    ``drop_u (2K + 1, B, 2)`` the drop-path draws of training (none dropped without them)."""
     _, h, w, c = x.shape
-    tokens = self.run_blocks(self.embed(x, t, y))[0]  # the unused out-block outputs are dropped
+    tokens = self.run_blocks(self.embed(x, t, y), drop_u)[0]  # the out-block outputs: unused
     out = self.decoder_pred(self.norm(tokens)).astype(jnp.float32)[:, self.extras:]
     out = layers.unpatchify(out, self.patch_size, h, w, c)
     if self.conv:

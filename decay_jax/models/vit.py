@@ -36,16 +36,20 @@ HEAD_INIT_STD = 2e-5  # upstream main_finetune.py: trunc_normal_(head.weight, st
 
 
 def drop_path_rates(depth: int, drop_path: float) -> np.ndarray:
-  """timm's per-block rates, float32 ``linspace(0, drop_path, depth)``: block 0 never drops."""
-  return np.linspace(0.0, drop_path, depth, dtype=np.float64).astype(np.float32)
+  """timm's per-block rates, float32 ``linspace(0, drop_path, depth)``: block 0 never drops
+  (``Residual.drop_path_rates``, the one rule of every model)."""
+  return Residual(drop_path=drop_path).drop_path_rates(depth)
 
 
 class ViTClassifier(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
   """Decayed ViT encoder + patch-token mean + ``fc_norm`` + ``head``. Input ``(N, H, W, C)``,
   output logits ``(N, num_classes)`` float32.
 
-  ``residual`` (``residual.Residual``, default ``alpha_min=1``) is the blocks' update
-  ``x <- alpha_k x + DropPath(f_k(x))``; ``shortcut_form='learnable'`` is not allowed here yet.
+  ``residual`` (``residual.Residual``, default ``alpha_min=1``, ``drop_path=0.1``) is the blocks'
+  update ``x <- alpha_k x + DropPath(f_k(x))``; ``shortcut_form='learnable'`` is not allowed here
+  yet. ``drop_path`` (the largest rate) is the spec's field, as in pre-training: the constructor
+  and ``model.json`` still take it flat (``ViTClassifier(drop_path=0.1)``), and ``from_mae`` sets
+  the fine-tuning rate on the pre-trained spec.
 
   ``train`` switches drop path on: its uniform draws are ``drop_u (depth, N, 2)`` (attention and
   MLP branch of every block) when given, else they come from the ``'dropout'`` RNG; evaluation uses
@@ -59,8 +63,7 @@ class ViTClassifier(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
   depth: int = 12
   num_heads: int = 12
   mlp_ratio: float = 4.0
-  drop_path: float = 0.1
-  residual: Residual = Residual()
+  residual: Residual = Residual(drop_path=0.1)
   dtype: Dtype = jnp.float32
   attention_impl: Optional[str] = None
   remat_policy: str = "none"
@@ -86,7 +89,7 @@ class ViTClassifier(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
         attention_impl=self.attention_impl, stochastic_depth=self.train,
         name="blocks")
     x, _ = blocks(x, self.residual.coefficients(self, self.depth),
-                  jnp.asarray(drop_path_rates(self.depth, self.drop_path)), drop_u)
+                  jnp.asarray(self.residual.drop_path_rates(self.depth)), drop_u)
     pooled = layers.layer_norm("fc_norm")(x[:, 1:].mean(axis=1))
     head = nn.Dense(self.num_classes, dtype=self.dtype, name="head",
                     kernel_init=nn.initializers.truncated_normal(HEAD_INIT_STD, lower=-2e5,
@@ -103,8 +106,6 @@ def validate_vit_fields(m) -> None:
   if m.dim % m.num_heads or m.dim % 4:
     raise ValueError(f"dim={m.dim} is not allowed; it must be divisible by num_heads="
                      f"{m.num_heads} and by 4 (2-D sin-cos positions)")
-  if not 0.0 <= m.drop_path < 1.0:
-    raise ValueError(f"drop_path={m.drop_path!r} is not allowed; it must be in [0, 1)")
   residual_lib.check_field(m)
   if m.residual.shortcut_form == "learnable":
     raise ValueError("shortcut_form='learnable' is not allowed for fine-tuning yet")

@@ -85,11 +85,31 @@ class Task:
     """``(optax transformation, lr schedule)``: pre-training's AdamW (``train.optim``)."""
     return optim.make_optimizer(config.optim, config.batch_size, total_steps, warmup_steps)
 
+  def with_drop_draws(self, batch, rng, blocks: int, residual):
+    """``batch`` plus ``drop_u (N, blocks, 2)``, the uniform draws of stochastic depth in
+    pre-training (one per example, block and sublayer; example-major, so microbatches split them
+    like the images), where ``residual.drop_path > 0``; ``batch`` unchanged otherwise. They come
+    from ``fold_in(rng, DROP_STREAM)`` of the step's RNG, so the task's other draws are unchanged
+    and the step stays a function of ``(rng, step)``."""
+    if not residual.drop_path:
+      return batch
+    n = batch["image"].shape[0]
+    u = jax.random.uniform(jax.random.fold_in(rng, DROP_STREAM), (n, blocks, 2))
+    return dict(batch, drop_u=u)
+
   @classmethod
   def final_results(cls, workdir: str) -> Dict[str, float]:
     """Extra entries of the run's ``results.json`` read from its logs (none by default)."""
     del workdir
     return {}
+
+
+DROP_STREAM = 0x64726f70  # fold_in constant of the drop-path draws ("drop")
+
+
+def drop_draws(batch):
+  """The model's ``drop_u (blocks, N, 2)`` from a prepared batch, or None (no stochastic depth)."""
+  return jnp.swapaxes(batch["drop_u"], 0, 1) if "drop_u" in batch else None
 
 
 def loss_by_time(per_example, t, buckets: int = 4) -> Dict[str, jax.Array]:

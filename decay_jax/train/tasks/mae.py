@@ -27,12 +27,15 @@ class MAETask(base.Task):
             jnp.zeros((batch, m.num_patches), jnp.float32))
 
   def prepare(self, batch, rng):
-    """Adds the masking noise ``(N, L)`` (argsort of it picks the kept patches)."""
+    """Adds the masking noise ``(N, L)`` (argsort of it picks the kept patches) and, with
+    ``residual.drop_path``, the drop-path draws of the encoder (``with_drop_draws``)."""
     n = batch["image"].shape[0]
-    return dict(batch, noise=jax.random.uniform(rng, (n, self.model.num_patches)))
+    batch = dict(batch, noise=jax.random.uniform(rng, (n, self.model.num_patches)))
+    return self.with_drop_draws(batch, rng, self.model.depth, self.model.residual)
 
   def loss(self, params, batch) -> Tuple[jax.Array, Dict[str, Any]]:
-    out = self.model.apply({"params": params}, batch["image"], batch["noise"])
+    out = self.model.apply({"params": params}, batch["image"], batch["noise"],
+                           base.drop_draws(batch))
     metrics = {"loss": out["loss"]}
     for i, v in enumerate(out["encoder_norms"]):
       metrics[f"feature_norm/encoder_{i:02d}"] = v

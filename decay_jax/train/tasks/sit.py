@@ -56,18 +56,21 @@ class SiTTask(base.Task):
     return self.model.num_classes
 
   def prepare(self, batch, rng):
-    """Adds the times ``t (N,)``, the noise ``x0`` (like the image) and the classifier-free
-    guidance label drops ``drop (N,)`` int32 (1: replaced by the null class)."""
+    """Adds the times ``t (N,)``, the noise ``x0`` (like the image), the classifier-free
+    guidance label drops ``drop (N,)`` int32 (1: replaced by the null class) and, with
+    ``residual.drop_path``, the drop-path draws (``with_drop_draws``)."""
     x1 = batch["image"]
     k_t, k_noise, k_drop = jax.random.split(rng, 3)
     drop = jax.random.uniform(k_drop, x1.shape[:1]) < self.model.class_dropout_prob
-    return dict(batch, t=self.transport.sample_time(k_t, x1.shape[0]),
-                x0=jax.random.normal(k_noise, x1.shape), drop=drop.astype(jnp.int32))
+    batch = dict(batch, t=self.transport.sample_time(k_t, x1.shape[0]),
+                 x0=jax.random.normal(k_noise, x1.shape), drop=drop.astype(jnp.int32))
+    return self.with_drop_draws(batch, rng, self.model.depth, self.model.residual)
 
   def loss(self, params, batch):
     x1, y, t = batch["image"], batch["label"], batch["t"]
+    drop_u = base.drop_draws(batch)
     model_fn = lambda x, tt, y: self.model.apply({"params": params}, x, tt, y, train=True,
-                                                 force_drop_ids=batch["drop"])
+                                                 force_drop_ids=batch["drop"], drop_u=drop_u)
     per_example = self.transport.loss(model_fn, x1, batch["x0"], t, y=y)
     loss = per_example.mean()
     return loss, dict(base.loss_by_time(per_example, t), loss=loss)

@@ -74,8 +74,9 @@ class UViTTask(base.Task):
             y)
 
   def prepare(self, batch, rng):
-    """Adds the training times ``t (N,)`` (steps n for 'discrete'), the noise ``eps`` and, for
-    conditional models, the labels ``y (N,)`` after dropout to the null label."""
+    """Adds the training times ``t (N,)`` (steps n for 'discrete'), the noise ``eps``, for
+    conditional models the labels ``y (N,)`` after dropout to the null label and, with
+    ``residual.drop_path``, the drop-path draws (``with_drop_draws``)."""
     x0 = batch["image"]
     k_t, k_noise, k_drop = jax.random.split(rng, 3)
     out = dict(batch, t=self.schedule.sample_time(k_t, x0.shape[0]),
@@ -86,10 +87,12 @@ class UViTTask(base.Task):
         drop = jax.random.uniform(k_drop, y.shape) < self.class_dropout_prob
         y = jnp.where(drop, self.null_label, y)
       out["y"] = y
-    return out
+    m = self.model
+    return self.with_drop_draws(out, rng, m.num_blocks, m.block_residual)
 
   def loss(self, params, batch):
-    model_fn = lambda x, t, y=None: self.model.apply({"params": params}, x, t, y)
+    drop_u = base.drop_draws(batch)
+    model_fn = lambda x, t, y=None: self.model.apply({"params": params}, x, t, y, drop_u)
     kwargs = {"y": batch["y"]} if self.model.conditional else None
     per_example = self.schedule.per_example_loss(model_fn, batch["image"], batch["eps"],
                                                  batch["t"], kwargs)
