@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# GPU benchmark of the train step on one host: SiT-XL/2 (cuDNN attention) and MAE ViT-L/16 (XLA
-# attention) in bfloat16, then measured A/Bs on SiT-XL/2: MaxText's XLA GPU flags against XLA's
-# defaults, cuDNN against XLA attention, the per-GPU batch, and remat none/dots/full. Prints a
-# table of images/s and MFU against the device's dense bf16 peak (FLOPs = 2 x multiply-adds,
-# decay_jax/models/flops.py; unknown GPUs get no MFU).
+# GPU benchmark of the train step on one host, in bfloat16, in order of importance: SiT-XL/2 at the
+# best setting measured so far (cuDNN attention, remat dots), MAE ViT-L/16 with cuDNN attention
+# (odd token counts padded, layers.attend), SiT-XL/2 at batch 128, XLA:GPU's cuDNN GEMM fusions
+# and cuBLAS instead of Triton GEMMs, then the earlier A/Bs (MAE with XLA attention, MaxText's
+# flags, XLA attention, batch, remat none/full). Prints a table of images/s and MFU against the
+# device's dense bf16 peak (FLOPs = 2 x multiply-adds, decay_jax/models/flops.py; unknown GPUs get
+# no MFU).
 #   bash launch/gpu_bench.sh OUTDIR
 # Writes OUTDIR/bench.jsonl (one line per case), OUTDIR/bench.md (the table), OUTDIR/bench.log.
 # Installs the pinned JAX's CUDA build (JAX_EXTRA=cuda12, or cuda13) into .venv unless PYTHON (or
@@ -12,9 +14,9 @@
 # repeat (default 10) and REPEATS (default 3): the table gives the median repeat; FSDP shards
 # parameters over that many GPUs (default 1); BUDGET_S (default 0: none) skips the cases that would
 # start after that many seconds (they are listed in order of importance).
-# BENCH_PLATFORM=cpu runs the headline cases and the flag A/B on CPU with tiny models, XLA
-# attention and 2 steps (a check of this script; those numbers mean nothing). DRY_RUN=1 prints the
-# commands.
+# BENCH_PLATFORM=cpu runs the two headline cases and the three XLA-flag cases on CPU with tiny
+# models, XLA attention and 2 steps (a check of this script and that the flags parse; those
+# numbers mean nothing). DRY_RUN=1 prints the commands.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:?usage: bash launch/gpu_bench.sh OUTDIR}
@@ -38,18 +40,27 @@ COMMON=(--steps="$STEPS" --repeats="$REPEATS" --out="$OUTDIR/bench.jsonl"
         --config.model.dtype=bfloat16 --config.mesh.data=-1 --config.mesh.fsdp="${FSDP:-1}" "${TINY[@]}")
 SIT=(-m decay_jax.cli.bench --config=configs/sit_xl2.py "${COMMON[@]}")
 MAE=(-m decay_jax.cli.bench --config=configs/mae_vit_l16.py "${COMMON[@]}")
+# XLA:GPU flags of the A/Bs: cuDNN GEMM fusions (Hopper and cuDNN 9; off by default) and cuBLAS
+# GEMMs instead of Triton's.
+CUDNN_GEMM_FLAGS="--xla_gpu_cudnn_gemm_fusion_level=2"
+NO_TRITON_FLAGS="--xla_gpu_enable_triton_gemm=false"
 # One case per line: XLA_FLAGS (- for none) | the bench's arguments. In order of importance.
-# MAE runs XLA attention: JAX 0.11's cuDNN kernel refuses its decoder's 197 tokens in training.
-CASES=("-|${SIT[*]} --batch_per_device=$SIT_BATCH --config.model.attention_impl=$ATTENTION"
-       "$MAXTEXT_FLAGS|${SIT[*]} --batch_per_device=$SIT_BATCH --config.model.attention_impl=$ATTENTION"
-       "-|${MAE[*]} --batch_per_device=$MAE_BATCH --config.model.attention_impl=xla")
+BEST_SIT="${SIT[*]} --batch_per_device=$SIT_BATCH --config.model.attention_impl=$ATTENTION --remat=dots"
+CASES=("-|$BEST_SIT"
+       "-|${MAE[*]} --batch_per_device=$MAE_BATCH --config.model.attention_impl=$ATTENTION"
+       "$CUDNN_GEMM_FLAGS|$BEST_SIT"
+       "$NO_TRITON_FLAGS|$BEST_SIT"
+       "$MAXTEXT_FLAGS|$BEST_SIT")
 if [ "$PLATFORM" = gpu ]; then
-  CASES+=("-|${SIT[*]} --batch_per_device=$SIT_BATCH --config.model.attention_impl=xla"
-          "-|${SIT[*]} --batch_per_device=$((SIT_BATCH * 2)) --config.model.attention_impl=cudnn"
-          "-|${SIT[*]} --batch_per_device=$((SIT_BATCH / 2)) --config.model.attention_impl=cudnn"
-          "-|${SIT[*]} --batch_per_device=$SIT_BATCH --config.model.attention_impl=cudnn --remat=dots"
-          "-|${SIT[*]} --batch_per_device=$SIT_BATCH --config.model.attention_impl=cudnn --remat=full"
-          "$MAXTEXT_FLAGS|${MAE[*]} --batch_per_device=$MAE_BATCH --config.model.attention_impl=xla")
+  CASES=("${CASES[0]}" "${CASES[1]}"
+         "-|${SIT[*]} --batch_per_device=$((SIT_BATCH * 2)) --config.model.attention_impl=cudnn --remat=dots"
+         "${CASES[@]:2}"
+         "-|${MAE[*]} --batch_per_device=$MAE_BATCH --config.model.attention_impl=xla"
+         "-|${MAE[*]} --batch_per_device=$MAE_BATCH --config.model.attention_impl=cudnn --remat=dots"
+         "-|${SIT[*]} --batch_per_device=$SIT_BATCH --config.model.attention_impl=cudnn"
+         "-|${SIT[*]} --batch_per_device=$SIT_BATCH --config.model.attention_impl=xla --remat=dots"
+         "-|${SIT[*]} --batch_per_device=$SIT_BATCH --config.model.attention_impl=cudnn --remat=full"
+         "-|${SIT[*]} --batch_per_device=$((SIT_BATCH / 2)) --config.model.attention_impl=cudnn --remat=dots")
 fi
 if [ "${DRY_RUN:-0}" = 1 ]; then
   for c in "${CASES[@]}"; do
@@ -100,7 +111,8 @@ print("| model | attention | remat | XLA flags | batch/device | step ms | images
 print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
 for r in rows:
   mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "n/a"
-  flags = "MaxText" if "latency_hiding" in r["xla_flags"] else "default"
+  flags = ("MaxText" if "latency_hiding" in r["xla_flags"] else
+           " ".join(f.replace("--xla_gpu_", "") for f in r["xla_flags"].split()) or "default")
   print(f"| {r['config']} ({r['preset']}, {r['dtype']}) | {r['attention']} | {r['remat']} | "
         f"{flags} | {r['global_batch'] // r['devices']} | {1e3 * r['step_seconds']:.1f} "
         f"({1e3 * r['step_seconds_min']:.1f}) | {r['images_per_sec_per_device']} | "
