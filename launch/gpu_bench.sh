@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU benchmark of the train step on one host, in bfloat16, in order of importance: SiT-XL/2 at the
 # best setting measured so far (cuDNN attention, remat dots), MAE ViT-L/16 with cuDNN attention
-# (odd token counts padded, layers.attend), SiT-XL/2 at batch 128, XLA:GPU's cuDNN GEMM fusions
+# (odd token counts padded, layers.attend), SiT-XL/2 at batch 128, remat dots_context (the
+# attention output saved too), XLA:GPU's cuDNN GEMM fusions
 # and cuBLAS instead of Triton GEMMs, then the earlier A/Bs (MAE with XLA attention, MaxText's
 # flags, XLA attention, batch, remat none/full). Prints a table of images/s and MFU against the
 # device's dense bf16 peak (FLOPs = 2 x multiply-adds, decay_jax/models/flops.py; unknown GPUs get
@@ -54,6 +55,7 @@ CASES=("-|$BEST_SIT"
 if [ "$PLATFORM" = gpu ]; then
   CASES=("${CASES[0]}" "${CASES[1]}"
          "-|${SIT[*]} --batch_per_device=$((SIT_BATCH * 2)) --config.model.attention_impl=cudnn --remat=dots"
+         "-|${SIT[*]} --batch_per_device=$SIT_BATCH --config.model.attention_impl=cudnn --remat=dots_context"
          "${CASES[@]:2}"
          "-|${MAE[*]} --batch_per_device=$MAE_BATCH --config.model.attention_impl=xla"
          "-|${MAE[*]} --batch_per_device=$MAE_BATCH --config.model.attention_impl=cudnn --remat=dots"

@@ -1,6 +1,7 @@
 """Attention padded to the lengths cuDNN's kernel takes equals the unpadded attention."""
 
 import jax
+from jax import ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -52,3 +53,34 @@ def test_cudnn_is_chosen_for_any_token_count_on_a_gpu(monkeypatch):
   assert layers.resolve_attention(None, jnp.bfloat16, 197, 64) == "cudnn"  # MAE's decoder
   assert layers.resolve_attention(None, jnp.bfloat16, 50, 64) == "cudnn"  # its encoder
   assert layers.resolve_attention(None, jnp.float32, 197, 64) is None
+
+
+@pytest.fixture(scope="module")
+def micro_mae():
+  from decay_jax.models import mae as mae_lib
+  x = jax.random.uniform(jax.random.PRNGKey(0), (2, 16, 16, 1))
+  params = mae_lib.mae("micro/4", img_size=16, in_chans=1).init(
+      {"params": jax.random.PRNGKey(1), "masking": jax.random.PRNGKey(2)}, x)["params"]
+  return x, params
+
+
+def _loss(policy, x):
+  from decay_jax.models import mae as mae_lib
+  model = mae_lib.mae("micro/4", img_size=16, in_chans=1, remat_policy=policy)
+  return lambda p: model.apply({"params": p}, x, rngs={"masking": jax.random.PRNGKey(2)})["loss"]
+
+
+def test_dots_context_saves_the_attention_output_and_keeps_the_gradient(micro_mae, capsys):
+  x, params = micro_mae
+  saved = {}
+  for policy in ("dots", "dots_context"):
+    ad_checkpoint.print_saved_residuals(_loss(policy, x), params)
+    saved[policy] = capsys.readouterr().out
+  # the encoder's attention outputs, (depth 4, N 2, 5 visible tokens, 2 heads, head dim 16), leave
+  # the scan over blocks as residuals only under dots_context
+  context = "f32[4,2,5,2,16] output of scan"
+  assert context not in saved["dots"] and context in saved["dots_context"]
+  g_none = jax.jit(jax.grad(_loss("none", x)))(params)
+  g_ctx = jax.jit(jax.grad(_loss("dots_context", x)))(params)
+  for a, b in zip(jax.tree.leaves(g_ctx), jax.tree.leaves(g_none)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 import flax.linen as nn
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
 
@@ -23,7 +24,7 @@ Dtype = Any
 ATTENTION_IMPLS = (None, "xla", "cudnn")
 # cuDNN flash attention has kernels for these compute dtypes only.
 CUDNN_DTYPES = ("bfloat16", "float16")
-REMAT_POLICIES = ("none", "full", "dots")
+REMAT_POLICIES = ("none", "full", "dots", "dots_context")
 
 xavier_uniform = nn.initializers.xavier_uniform()
 zeros = nn.initializers.zeros
@@ -153,7 +154,7 @@ class Attention(nn.Module):
     qkv = qkv.reshape(n, t, 3, self.num_heads, c // self.num_heads)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     impl = resolve_attention(self.implementation, self.dtype, t, c // self.num_heads)
-    out = attend(q, k, v, impl)
+    out = checkpoint_name(attend(q, k, v, impl), "context")
     return nn.Dense(c, dtype=self.dtype, kernel_init=self.proj_init, bias_init=zeros,
                     name="proj")(out.reshape(n, t, c))
 
@@ -212,13 +213,20 @@ def unpatchify(x, p: int, h: int, w: int, c: int):
 
 
 def remat(block_cls, policy: str):
-  """Wraps a Linen block class for rematerialisation: 'none', 'full' or 'dots' (save matmuls)."""
+  """Wraps a Linen block class for rematerialisation: 'none', 'full', 'dots' (save the matmuls
+  without batch dimensions: the projections and MLPs) or 'dots_context' (those and each
+  attention's output, named ``context`` in ``Attention``; MaxText's ``minimal_flash``), so that the
+  backward pass does not run the attention's forward again (attention's own matmuls carry batch
+  dimensions and a fused kernel is a custom call: neither is saved by 'dots')."""
   if policy == "none":
     return block_cls
   if policy == "full":
     return nn.remat(block_cls, prevent_cse=False)
-  return nn.remat(block_cls, prevent_cse=False,
-                  policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+  saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  if policy == "dots_context":
+    saveable = jax.checkpoint_policies.save_from_both_policies(
+        saveable, jax.checkpoint_policies.save_only_these_names("context"))
+  return nn.remat(block_cls, prevent_cse=False, policy=saveable)
 
 
 def scan_blocks(block_cls, depth: int, in_axes, remat_policy: str = "none"):
