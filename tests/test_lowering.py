@@ -35,7 +35,10 @@ TRAIN_CONFIGS = ([(name, None) for name in ("mae_vit_b16", "mae_vit_l16", "mae_v
                     for gain in ("layerscale", "rezero")]
                  # DeepNorm and pre-training's stochastic depth (the step then draws drop_u)
                  + [(name, form) for name in ("mae_vit_b16", "sit_xl2")
-                    for form in ("norm_position=deepnorm", "drop_path=0.1")])
+                    for form in ("norm_position=deepnorm", "drop_path=0.1")]
+                 # hyper-connections, static and dynamic (4 streams)
+                 + [(name, f"hyper_connections={form}") for name in ("mae_vit_b16", "sit_xl2")
+                    for form in ("static", "dynamic")])
 # The sample command's default sampler (config.sample: ODE heun, CFG 4) per SiT size and for a
 # routed model, and the SDE sampler of its docstring.
 SAMPLE_CONFIGS = [("sit_b2", None, None), ("sit_xl2", None, None),

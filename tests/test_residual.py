@@ -36,7 +36,8 @@ def _load(name, tmp_path):
 
 
 # Residual fields added since the fixture was written, at their defaults (the published forms).
-NEW_FIELDS = {"branch_gain": "none", "gain_init": -1.0, "norm_position": "pre", "drop_path": 0.0}
+NEW_FIELDS = {"branch_gain": "none", "gain_init": -1.0, "norm_position": "pre", "drop_path": 0.0,
+              "hyper_connections": "none", "hyper_rate": 4}
 
 
 def same_fields(now: dict, stored: dict) -> bool:

@@ -222,3 +222,7 @@ def check_residual_form(model, where: str) -> None:
   if res.norm_position != "pre":
     raise ConversionError(f"norm_position={res.norm_position!r} has no counterpart in {where} "
                           "(its blocks are pre-norm)")
+  if res.hyper:
+    raise ConversionError(f"hyper_connections={res.hyper_connections!r} has no counterpart in "
+                          f"{where} (its streams' weights are parameters that layout has no "
+                          "place for)")

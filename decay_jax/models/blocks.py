@@ -79,31 +79,33 @@ class MAEBlock(nn.Module):
   stochastic_depth: bool = False
 
   @nn.compact
-  def __call__(self, x, alpha, drop_rate=0.0, drop_u=None):
+  def __call__(self, x, alpha, drop_rate=0.0, drop_u=None, hyper=None):
     c = x.shape[-1]
     res = self.residual
     dropping = self.stochastic_depth or drop_u is not None
     last_init = layers.zeros if res.zero_branch_init else layers.xavier_uniform
     norm1, norm2 = layers.layer_norm("norm1"), layers.layer_norm("norm2")
+    x_in, conn = res.read(x, hyper, 0)
     h = layers.Attention(self.num_heads, self.dtype, proj_init=res.scaled_init(last_init),
                          qkv_init=res.scaled_init(layers.xavier_uniform, value_only=True),
                          implementation=self.attention_impl,
-                         name="attn")(res.branch_input(norm1, x))
+                         name="attn")(res.branch_input(norm1, x_in))
     if dropping:
       h = drop_path(self, h, drop_rate, None if drop_u is None else drop_u[:, 0])
     h = res.branch(self, "attn", h)
-    sow_branch_norms(self, "attn_norms", x, res.shortcut(alpha[0]), h)
-    x = res.add(x, alpha[0], h, norm1)
+    sow_branch_norms(self, "attn_norms", x_in, res.shortcut(alpha[0]), h)
+    x = res.add(x, alpha[0], h, norm1, conn)
+    x_in, conn = res.read(x, hyper, 1)
     h = layers.Mlp(int(c * self.mlp_ratio), approximate_gelu=False, dtype=self.dtype,
                    fc2_init=res.scaled_init(last_init),
                    fc1_init=res.scaled_init(layers.xavier_uniform),
-                   name="mlp")(res.branch_input(norm2, x))
+                   name="mlp")(res.branch_input(norm2, x_in))
     if dropping:
       h = drop_path(self, h, drop_rate, None if drop_u is None else drop_u[:, 1])
     h = res.branch(self, "mlp", h)
-    sow_branch_norms(self, "mlp_norms", x, res.shortcut(alpha[1]), h)
-    x = res.add(x, alpha[1], h, norm2)
-    return x, x
+    sow_branch_norms(self, "mlp_norms", x_in, res.shortcut(alpha[1]), h)
+    x = res.add(x, alpha[1], h, norm2, conn)
+    return x, res.reduce(x)
 
 
 def modulate(x, shift, scale):
@@ -114,11 +116,13 @@ def modulate(x, shift, scale):
 class SiTInputs(NamedTuple):
   """The scanned inputs of a ``SiTBlock``: ``alpha (2,)``, the long-skip source ``skip (N, T, C)``
   (decoder blocks; None for encoder blocks), the drop-path rate and draws ``drop_u (N, 2)`` (None:
-  no drop path)."""
+  no drop path) and the block's hyper-connection weights (``Residual.hyper_weights``; None:
+  none)."""
   alpha: Any
   skip: Any = None
   drop_rate: Any = None
   drop_u: Any = None
+  hyper: Any = None
 
 
 class SiTBlock(nn.Module):
@@ -151,12 +155,13 @@ class SiTBlock(nn.Module):
     dim = x.shape[-1]
     res = self.residual
     if isinstance(xs, SiTInputs):
-      alpha, s, drop_rate, drop_u = xs
+      alpha, s, drop_rate, drop_u, hyper = xs
     else:  # alpha, or (alpha, s) for decoder blocks
       (alpha, s), drop_rate, drop_u = (xs if self.has_skip else (xs, None)), 0.0, None
+      hyper = None
     if self.has_skip:
-      x = x + nn.Dense(dim, dtype=self.dtype, kernel_init=layers.xavier_uniform,
-                       bias_init=layers.zeros, name="skip")(s).astype(x.dtype)
+      x = res.inject(x, nn.Dense(dim, dtype=self.dtype, kernel_init=layers.xavier_uniform,
+                                 bias_init=layers.zeros, name="skip")(s))
     # adaLN-Zero (zero gates at init), or a random init where the form needs a live branch.
     mod_init = layers.zeros if res.zero_branch_init else layers.xavier_uniform
     mod = nn.Dense(6 * dim, dtype=self.dtype, kernel_init=mod_init, bias_init=layers.zeros,
@@ -164,17 +169,19 @@ class SiTBlock(nn.Module):
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = jnp.split(mod, 6, axis=-1)
     norm1 = layers.layer_norm("norm1", affine=False)
     norm2 = layers.layer_norm("norm2", affine=False)
-    h = modulate(res.branch_input(norm1, x), shift_msa, scale_msa)
+    x_in, conn = res.read(x, hyper, 0)
+    h = modulate(res.branch_input(norm1, x_in), shift_msa, scale_msa)
     h = layers.Attention(self.num_heads, self.dtype, implementation=self.attention_impl,
                          proj_init=res.scaled_init(layers.xavier_uniform),
                          qkv_init=res.scaled_init(layers.xavier_uniform, value_only=True),
                          name="attn")(h)
     h = drop_branch(self, gate_msa[:, None, :] * h, drop_rate, drop_u, 0)
-    x = res.add(x, alpha[0], res.branch(self, "attn", h), norm1)
-    h = modulate(res.branch_input(norm2, x), shift_mlp, scale_mlp)
+    x = res.add(x, alpha[0], res.branch(self, "attn", h), norm1, conn)
+    x_in, conn = res.read(x, hyper, 1)
+    h = modulate(res.branch_input(norm2, x_in), shift_mlp, scale_mlp)
     h = layers.Mlp(int(dim * self.mlp_ratio), approximate_gelu=True, dtype=self.dtype,
                    fc1_init=res.scaled_init(layers.xavier_uniform),
                    fc2_init=res.scaled_init(layers.xavier_uniform), name="mlp")(h)
     h = drop_branch(self, gate_mlp[:, None, :] * h, drop_rate, drop_u, 1)
-    x = res.add(x, alpha[1], res.branch(self, "mlp", h), norm2)
-    return x, x
+    x = res.add(x, alpha[1], res.branch(self, "mlp", h), norm2, conn)
+    return x, res.reduce(x)

@@ -87,7 +87,8 @@ class MaskedAutoencoder(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
   ``residual`` (``residual.Residual``; default ``alpha_min=1``, the standard residual network) is
   the update of every encoder sublayer, ``x <- alpha_k x + f_k(x)`` over ``k = 0 .. 2 depth - 1``;
   the coefficients ``alpha (depth, 2)`` are a module constant (a parameter ``alpha`` for
-  ``shortcut_form='learnable'``). The decoder blocks are plain ``x + f(x)``.
+  ``shortcut_form='learnable'``). The decoder blocks are plain ``x + f(x)``. With
+  hyper-connections the encoder carries ``n`` streams and a block's output is their sum.
   """
   img_size: int = 224
   patch_size: int = 16
@@ -134,6 +135,7 @@ class MaskedAutoencoder(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
     self.decoder_cls_token = self.param("decoder_cls_token", layers.normal(0.02),
                                         (1, 1, self.decoder_dim))
     self.alpha = self.residual.coefficients(self, self.depth)  # (depth, 2)
+    self.hyper = self.residual.hyper_weights(self, self.depth, self.dim)  # None, or (depth, 2, ..)
     self.blocks = layers.scan_blocks(MAEBlock, self.depth, in_axes=0,
                                      remat_policy=self.remat_policy)(
         num_heads=self.num_heads, mlp_ratio=self.mlp_ratio,
@@ -166,8 +168,9 @@ class MaskedAutoencoder(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
     ``drop_u (depth, N, 2)``: the drop-path draws of training (``residual.drop_path``)."""
     cls = self.cls_token + self.pos_embed()[None, :1]
     x = jnp.concatenate([jnp.broadcast_to(cls, (x.shape[0], 1, self.dim)), x], axis=1)
-    _, outs = self.blocks(x, self.alpha, jnp.asarray(self.residual.drop_path_rates(self.depth)),
-                          drop_u)
+    _, outs = self.blocks(self.residual.expand(x), self.alpha,
+                          jnp.asarray(self.residual.drop_path_rates(self.depth)), drop_u,
+                          self.hyper)
     return outs
 
   def forward_encoder(self, imgs, noise, drop_u=None):

@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from decay_jax import validate
-from decay_jax.models import schedules
+from decay_jax.models import hyper, schedules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +87,9 @@ class Residual:
     norm_position: 'pre', 'post' or 'deepnorm': where each sublayer's LayerNorm sits (module
       docstring).
     drop_path: stochastic depth, the largest per-block drop rate in [0, 1); 0 is off.
+    hyper_connections: 'none', 'static' or 'dynamic': ``hyper_rate`` residual streams per token
+      (Hyper-Connections, ``models/hyper.py``; MAE's encoder and SiT).
+    hyper_rate: the number of streams ``n`` of hyper-connections (the paper's expansion rate).
     model_depth: not a flat field: the model's block count, set by ``at_depth`` where a form needs
       it (DeepNorm's constants).
 
@@ -101,6 +104,8 @@ class Residual:
   gain_init: float = -1.0
   norm_position: str = "pre"
   drop_path: float = 0.0
+  hyper_connections: str = "none"
+  hyper_rate: int = 4
   model_depth: int = dataclasses.field(default=0, metadata={"flat": False})
 
   def __post_init__(self):
@@ -119,6 +124,14 @@ class Residual:
                                  "it must be >= 0, or -1 for the form's own initial value")
     validate.check_choice("norm_position", self.norm_position, NORM_POSITIONS)
     validate.check_range("drop_path", self.drop_path, 0.0, 1.0, high_open=True)
+    validate.check_choice("hyper_connections", self.hyper_connections, hyper.FORMS)
+    validate.check_int("hyper_rate", self.hyper_rate, minimum=1)
+    if self.hyper and self.branch_gain != "none":
+      raise validate.not_allowed("branch_gain", self.branch_gain, "hyper-connections take no "
+                                 "branch gains (use 'none', or hyper_connections='none')")
+    if self.hyper and self.norm_position != "pre":
+      raise validate.not_allowed("norm_position", self.norm_position, "hyper-connections are "
+                                 "pre-norm (use 'pre', or hyper_connections='none')")
 
   # ----- flat fields (model.json, configs) --------------------------------------------------------
   def fields(self) -> dict:
@@ -250,16 +263,52 @@ class Residual:
       return w.at[..., 2 * (shape[-1] // 3):].multiply(beta)
     return scaled
 
-  def add(self, x, alpha, branch, norm=None):
+  def add(self, x, alpha, branch, norm=None, connections=None):
     """``alpha * x + branch`` (pre-norm), or ``norm(shortcut(alpha) * x + branch)`` (post-norm
     and DeepNorm: ``norm`` the sublayer's LayerNorm), with the branch (already scaled,
-    ``branch``) cast to ``x``'s dtype."""
+    ``branch``) cast to ``x``'s dtype. With ``connections`` (``read``'s) the hyper-connection
+    write ``alpha A_r^T H + beta branch``."""
+    if connections is not None:
+      return hyper.write(x, alpha, branch, connections)
     out = self.shortcut(alpha) * x + branch.astype(x.dtype)
     if self.norm_position == "pre":
       return out
     if norm is None:
       raise ValueError(f"norm_position={self.norm_position!r} needs the sublayer's norm in add")
     return norm(out)
+
+  # ----- hyper-connections (models/hyper.py) -----------------------------------------------------
+  @property
+  def hyper(self) -> bool:
+    """Whether the blocks carry ``hyper_rate`` streams ``H (N, T, n, C)`` (hyper-connections)."""
+    return self.hyper_connections != "none"
+
+  def hyper_weights(self, module, depth: int, dim: int):
+    """The hyper-connection parameters ``hyper_*`` of ``module``'s ``depth`` blocks, stacked
+    ``(depth, 2, ...)`` (created here, from the model's ``setup``), or None without them."""
+    if not self.hyper:
+      return None
+    return hyper.weights(module, depth, dim, self.hyper_rate,
+                         self.hyper_connections == "dynamic")
+
+  def expand(self, x):
+    """The model's stream as the blocks carry it: ``x``, or ``n`` copies ``(N, T, n, C)``."""
+    return hyper.expand(x, self.hyper_rate) if self.hyper else x
+
+  def reduce(self, x):
+    """A block's output as the model reads it (skips, features): ``x``, or the streams' sum."""
+    return hyper.reduce(x) if self.hyper else x
+
+  def inject(self, x, v):
+    """``x + v`` for a side input ``v (N, T, C)`` (SiT's long skips): added to every stream."""
+    return x + (v[..., None, :] if self.hyper else v).astype(x.dtype)
+
+  def read(self, x, weights, s: int):
+    """``(input, connections)`` of sublayer ``s``: ``(x, None)``, or with hyper-connections the
+    weighted sum ``A_m^T H`` and what ``add`` needs (``weights``: the block's ``(2, ...)``)."""
+    if weights is None:
+      return x, None
+    return hyper.read(x, hyper.sublayer(weights, s))
 
   # ----- stochastic depth -------------------------------------------------------------------------
   def drop_path_rates(self, depth: int):

@@ -283,6 +283,10 @@ def check_fields(m) -> None:
   if m.residual_routing != "none" and res.norm_position != "pre":
     raise ValueError(f"norm_position={res.norm_position!r} is not allowed with residual_routing="
                      f"{m.residual_routing!r}; routed blocks are pre-norm (use 'pre')")
+  if m.residual_routing != "none" and res.hyper:
+    raise ValueError(f"hyper_connections={res.hyper_connections!r} is not allowed with "
+                     f"residual_routing={m.residual_routing!r}; routed blocks carry one stream "
+                     "(use 'none')")
   if m.residual_routing != "none" and res.drop_path:
     raise ValueError(f"drop_path={res.drop_path!r} is not allowed with residual_routing="
                      f"{m.residual_routing!r}; routed blocks have no stochastic depth (use 0)")

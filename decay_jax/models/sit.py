@@ -58,6 +58,8 @@ class SiT(residual_lib.HasResidual, nn.Module):
   so checkpoints convert 1:1) and only the first ``C`` are returned, as the official forward does.
   ``residual_routing`` other than 'none' replaces the blocks by ``routing.RoutedTrunk`` (mirror
   routing and its variants; ``routing_decay`` says how they meet the decay), see models/routing.py.
+  With hyper-connections the blocks carry ``n`` streams, summed before the final norm; the long
+  skips read a block's sum and add to every stream.
   """
   input_size: int = 32
   patch_size: int = 2
@@ -95,6 +97,7 @@ class SiT(residual_lib.HasResidual, nn.Module):
     self.y_embedder = nn.Embed(self.num_classes + int(self.class_dropout_prob > 0), self.dim,
                                embedding_init=layers.normal(0.02))
     self.alpha = self.residual.coefficients(self, self.depth)  # (depth, 2)
+    self.hyper = self.residual.hyper_weights(self, self.depth, self.dim)  # None, or (depth, 2, ..)
     if self.residual_routing != "none":
       self.trunk = routing.RoutedTrunk(
           depth=self.depth, num_heads=self.num_heads, mlp_ratio=self.mlp_ratio,
@@ -135,10 +138,11 @@ class SiT(residual_lib.HasResidual, nn.Module):
     rates and draws."""
     k = self.depth // 2
     part = slice(0, k) if half == 0 else slice(k, None)
+    hyper = None if self.hyper is None else {k: v[part] for k, v in self.hyper.items()}
     if drop_u is None:
-      return SiTInputs(self.alpha[part], skips)
+      return SiTInputs(self.alpha[part], skips, hyper=hyper)
     rates = jnp.asarray(self.residual.drop_path_rates(self.depth))
-    return SiTInputs(self.alpha[part], skips, rates[part], drop_u[part])
+    return SiTInputs(self.alpha[part], skips, rates[part], drop_u[part], hyper)
 
   def __call__(self, x, t, y, train: bool = False, force_drop_ids=None, drop_u=None):
     """``drop_u (depth, N, 2)``: the uniform draws of stochastic depth (training with
@@ -150,8 +154,10 @@ class SiT(residual_lib.HasResidual, nn.Module):
     if self.residual_routing != "none":
       tokens = self.trunk(tokens, self.alpha, cond)
     else:
+      tokens = self.residual.expand(tokens)  # n streams with hyper-connections
       tokens, enc_outs = self.enc_blocks(tokens, self.block_inputs(0, drop_u), cond)
       tokens, _ = self.dec_blocks(tokens, self.block_inputs(1, drop_u, enc_outs[::-1]), cond)
+      tokens = self.residual.reduce(tokens)
     shift, scale = jnp.split(self.final_adaLN(nn.silu(cond)).astype(jnp.float32), 2, axis=-1)
     out = self.final_linear(modulate(self.norm_final(tokens),
                                      shift, scale)).astype(jnp.float32)

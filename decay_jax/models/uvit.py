@@ -308,6 +308,9 @@ def validate_uvit_fields(m) -> None:
   validate.check_choice("skip_mode", m.skip_mode, SKIP_MODES)
   validate.check_choice("mode", m.mode, MODES)
   residual_lib.check_field(m)
+  if m.residual.hyper:
+    raise ValueError(f"hyper_connections={m.residual.hyper_connections!r} is not allowed here; "
+                     "hyper_connections is supported on MAE and SiT only")
   fields.check_execution(m)
 
 

@@ -107,6 +107,9 @@ def validate_vit_fields(m) -> None:
     raise ValueError(f"dim={m.dim} is not allowed; it must be divisible by num_heads="
                      f"{m.num_heads} and by 4 (2-D sin-cos positions)")
   residual_lib.check_field(m)
+  if m.residual.hyper:
+    raise ValueError(f"hyper_connections={m.residual.hyper_connections!r} is not allowed here; "
+                     "hyper_connections is supported on MAE and SiT only")
   if m.residual.shortcut_form == "learnable":
     raise ValueError("shortcut_form='learnable' is not allowed for fine-tuning yet")
   fields.check_execution(m)

@@ -61,12 +61,18 @@ def weight_decay_mask(params, stacked: tuple = ("blocks", "enc_blocks", "dec_blo
 
   A scanned LayerNorm scale has shape ``(depth, C)``: rank 1 per layer, so it is not decayed.
   The learnable-alpha ablation parameter ``(depth, 2)`` is a per-layer scalar pair: not decayed.
+  Hyper-connections (``hyper_*``, stacked ``(depth, 2, ...)``): the static mixing weights and the
+  scales are structure like alpha (not decayed, else ``A_r`` would be pulled from the identity
+  towards 0); the dynamic projections ``hyper_dynamic_alpha`` / ``hyper_dynamic_beta`` are weight
+  matrices (decayed, towards the static connections).
   """
   def rule(path, p):
     names = [getattr(k, "key", str(k)) for k in path]
     rank = p.ndim - (1 if names and names[0] in stacked else 0)
     if names == ["alpha"]:
       return False
+    if names and names[0].startswith("hyper_"):
+      return names[0] in ("hyper_dynamic_alpha", "hyper_dynamic_beta")
     return rank >= 2
 
   return jax.tree_util.tree_map_with_path(rule, params)

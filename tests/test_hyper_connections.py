@@ -1,0 +1,222 @@
+"""Hyper-connections (models/hyper.py, docs/residual_forms.md): ``n`` residual streams per token.
+
+By hand on depth-2 MAE and SiT models with random weights (static and dynamic); the initial
+connections (``n = 1`` is the plain model exactly; ``n = 4`` keeps the streams equal); parameter
+counts; one-line refusals; three train steps of MAE and SiT move the connections. The helpers are
+those of test_residual_forms.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from decay_jax.io import official
+from decay_jax.io.rules import ConversionError
+from decay_jax.models import hyper
+from decay_jax.models import mae as mae_lib
+from decay_jax.models import sit as sit_lib
+from decay_jax.models import uvit as uvit_lib
+from decay_jax.models import vit as vit_lib
+from decay_jax.models.residual import Residual
+from decay_jax.train import optim, setup
+from test_residual_forms import _attn, _batch, _dense, _ln, _mlp, _random
+from test_sit_train import tiny_sit_config
+from test_train import tiny_config
+
+
+# ----- hyper-connections (models/hyper.py) --------------------------------------------------------
+def _hyper_sublayer(H, w, l, s, f, decay):
+  """One sublayer by hand on ``H (N, T, n, C)``: ``h = A_m^T H``, ``H <- decay A_r^T H + beta f(h)``,
+  with ``[A_m | A_r] += s_a tanh(LN(H) W_a)`` and ``beta += s_b tanh(LN(H) w_b)`` when dynamic."""
+  w = {k: np.asarray(v, np.float64)[l, s] for k, v in w.items()}
+  alpha = np.broadcast_to(w["static_alpha"], H.shape[:-1] + w["static_alpha"].shape[-1:])
+  beta = np.broadcast_to(w["static_beta"], H.shape[:-1])
+  if "dynamic_alpha" in w:
+    normed = _ln(H)
+    alpha = alpha + w["dynamic_alpha_scale"] * np.tanh(normed @ w["dynamic_alpha"])
+    beta = beta + w["dynamic_beta_scale"] * np.tanh(normed @ w["dynamic_beta"])
+  h = (alpha[..., 0, None] * H).sum(-2)
+  out = f(h)
+  mixed = np.einsum("ntsc,ntsr->ntrc", H, alpha[..., 1:])
+  return decay * mixed + beta[..., None] * out[:, :, None, :]
+
+
+def _hyper_weights(params, prefix="hyper_"):
+  return {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
+
+
+def _hyper_block(p, l, H, alpha, w, wl, heads=2, mod=None):
+  """A pre-norm block by hand on the streams (``wl``: the block's index in ``w``)."""
+  blk = jax.tree_util.tree_map(lambda v: np.asarray(v, np.float64)[l], p)
+  for s, name in enumerate(("attn", "mlp")):
+    def f(h, s=s):
+      h = _ln(h, blk.get(f"norm{s + 1}"))
+      if mod is not None:
+        shift, scale, gate = mod[3 * s: 3 * s + 3]
+        h = h * (1 + scale[:, None]) + shift[:, None]
+      out = _attn(h, blk["attn"], heads) if s == 0 else _mlp(h, blk["mlp"], tanh=mod is not None)
+      return out if mod is None else gate[:, None] * out
+    H = _hyper_sublayer(H, w, wl, s, f, alpha[s])
+  return H
+
+
+HYPER = ("static", "dynamic")
+
+
+@pytest.mark.parametrize("form", HYPER)
+def test_mae_hyper_connections_by_hand_on_a_depth_2_model(form):
+  spec = Residual(alpha_min=0.6, hyper_connections=form, hyper_rate=3)
+  model = mae_lib.mae("micro/4", depth=2, in_chans=1, residual=spec)
+  x = jax.random.normal(jax.random.key(0), (3, 16, 16, 1))
+  params = _random(model.init(jax.random.key(2), x, jnp.zeros((3, 16)))["params"])
+  feats, cls = model.apply({"params": params}, x, method=lambda m, im: (m.embed(im), m.cls_token
+                                                                         + m.pos_embed()[None, :1]))
+  tokens = np.concatenate([np.broadcast_to(cls, (3, 1, 32)), feats], 1).astype(np.float64)
+  outs = model.apply({"params": params}, x, method=lambda m, im: m.run_encoder(m.embed(im)))
+  H = np.repeat(tokens[:, :, None], 3, axis=2)  # the embedding repeated n times
+  w = _hyper_weights(params)
+  for l in range(2):
+    H = _hyper_block(params["blocks"], l, H, model.shortcuts.alphas[l], w, l)
+    np.testing.assert_allclose(outs[l], H.sum(2), rtol=1e-4, atol=1e-4)  # a block's output: sum
+
+
+@pytest.mark.parametrize("form", HYPER)
+def test_sit_hyper_connections_by_hand_on_a_depth_2_model(form):
+  spec = Residual(alpha_min=0.7, hyper_connections=form, hyper_rate=2)
+  model = sit_lib.sit("micro/2", depth=2, input_size=8, in_channels=4, num_classes=10,
+                      learn_sigma=False, residual=spec)
+  x = jax.random.normal(jax.random.key(0), (3, 8, 8, 4))
+  t, y = jnp.array([0.1, 0.5, 0.9]), jnp.array([1, 2, 3])
+  params = _random(model.init(jax.random.key(2), x, t, y)["params"])
+
+  def trunk(m, x, t, y):
+    tokens = m.x_embedder(x) + m.pos_embed()[None]
+    cond = m.t_embedder(t) + m.embed_labels(y, False)
+    streams = m.residual.expand(tokens)
+    h, enc = m.enc_blocks(streams, m.block_inputs(0), cond)
+    out, _ = m.dec_blocks(h, m.block_inputs(1, None, enc[::-1]), cond)
+    return tokens, cond, enc, out
+
+  tokens, cond, enc_out, out = model.apply({"params": params}, x, t, y, method=trunk)
+  c = np.asarray(cond, np.float64)
+  c = c / (1 + np.exp(-c))
+  H = np.repeat(np.asarray(tokens, np.float64)[:, :, None], 2, axis=2)
+  w = _hyper_weights(params)
+  for l, stack in enumerate(("enc_blocks", "dec_blocks")):
+    p = jax.tree_util.tree_map(lambda v: np.asarray(v, np.float64), params[stack])
+    if l == 1:  # the long skip reads the encoder block's sum and adds to every stream
+      H = H + _dense(np.asarray(enc_out[0], np.float64),
+                     jax.tree_util.tree_map(lambda v: v[0], p["skip"]))[:, :, None]
+    mod = np.split(_dense(c, jax.tree_util.tree_map(lambda v: v[0], p["adaLN_modulation"])), 6,
+                   axis=-1)
+    H = _hyper_block(p, 0, H, model.shortcuts.alphas[l], w, l, mod=mod)
+    if l == 0:
+      np.testing.assert_allclose(enc_out[0], H.sum(2), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(out, H, rtol=1e-4, atol=1e-4)
+
+
+def _without_hyper(params):
+  return {k: v for k, v in params.items() if not k.startswith("hyper_")}
+
+
+@pytest.mark.parametrize("form", HYPER)
+def test_hyper_connections_at_init_equal_the_plain_model(form):
+  """With the initial connections: ``n = 1`` is the plain (decayed) pre-norm model exactly; with
+  ``n = 4`` the streams stay equal, each the plain stream, so the MAE encoder's block outputs are
+  4 times the plain model's (SiT's long skips read that sum, so SiT only at ``n = 1``)."""
+  x = jax.random.normal(jax.random.key(0), (3, 16, 16, 1))
+  for n in (1, 4):
+    hc = mae_lib.mae("micro/4", depth=2, in_chans=1,
+                     residual=Residual(alpha_min=0.6, hyper_connections=form, hyper_rate=n))
+    plain = mae_lib.mae("micro/4", depth=2, in_chans=1, residual=Residual(alpha_min=0.6))
+    params = model_params = hc.init(jax.random.key(2), x, jnp.zeros((3, 16)))["params"]
+    # random branch weights (the zero-initialised ones too), the connections at their init
+    params = dict(_random(_without_hyper(model_params)), **_hyper_weights(model_params, ""))
+    run = lambda m, p: m.apply({"params": p}, x, method=lambda m, im: m.run_encoder(m.embed(im)))
+    np.testing.assert_allclose(run(hc, params), n * run(plain, _without_hyper(params)),
+                               rtol=1e-5, atol=1e-5 * n)
+  sx = jax.random.normal(jax.random.key(0), (3, 8, 8, 4))
+  t, y = jnp.array([0.1, 0.5, 0.9]), jnp.array([1, 2, 3])
+  kw = dict(depth=2, input_size=8, in_channels=4, num_classes=10)
+  hc = sit_lib.sit("micro/2", residual=Residual(hyper_connections=form, hyper_rate=1), **kw)
+  plain = sit_lib.sit("micro/2", **kw)
+  init = hc.init(jax.random.key(2), sx, t, y)["params"]
+  params = dict(_random(_without_hyper(init)), **_hyper_weights(init, ""))
+  np.testing.assert_allclose(hc.apply({"params": params}, sx, t, y),
+                             plain.apply({"params": _without_hyper(params)}, sx, t, y),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_hyper_connection_initial_values_and_parameter_counts():
+  model = mae_lib.mae("micro/4", depth=3, residual=Residual(hyper_connections="dynamic"))
+  params = model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)), jnp.zeros((1, 16)))["params"]
+  w = _hyper_weights(params)
+  a = np.asarray(w["static_alpha"])  # (depth, 2, n, 1+n): [A_m | A_r] per sublayer
+  assert a.shape == (3, 2, 4, 5)
+  for l in range(3):
+    for s in range(2):  # A_m one-hot at stream (2 l + s) mod n, A_r = I, beta = 1
+      np.testing.assert_array_equal(a[l, s, :, 0], np.eye(4)[(2 * l + s) % 4])
+      np.testing.assert_array_equal(a[l, s, :, 1:], np.eye(4))
+  np.testing.assert_array_equal(w["static_beta"], np.ones((3, 2, 4)))
+  assert np.all(np.asarray(w["dynamic_alpha"]) == 0) and np.all(np.asarray(w["dynamic_beta"]) == 0)
+  np.testing.assert_allclose(w["dynamic_alpha_scale"], np.full((3, 2), 0.01))
+  np.testing.assert_allclose(w["dynamic_beta_scale"], np.full((3, 2), 0.01))
+  # per sublayer: n (1+n) + n static; + C (1+n) + C + 2 dynamic (C = 32)
+  count = sum(int(np.size(v)) for v in w.values())
+  assert count == 3 * 2 * hyper.extra_params(32, 4, True) == 3 * 2 * (24 + 32 * 6 + 2)
+  static = mae_lib.mae("micro/4", depth=3, residual=Residual(hyper_connections="static"))
+  sp = static.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)), jnp.zeros((1, 16)))["params"]
+  assert sum(int(np.size(v)) for v in _hyper_weights(sp).values()) == 3 * 2 * (4 * 5 + 4)
+  # weight decay: the dynamic projections only (the static connections and scales are structure)
+  mask = optim.weight_decay_mask(params)
+  assert {k: v for k, v in mask.items() if k.startswith("hyper_")} == {
+      "hyper_static_alpha": False, "hyper_static_beta": False, "hyper_dynamic_alpha": True,
+      "hyper_dynamic_alpha_scale": False, "hyper_dynamic_beta": True,
+      "hyper_dynamic_beta_scale": False}
+
+
+def test_hyper_connection_refusals_are_one_line():
+  for kwargs, match in [
+      (dict(hyper_connections="yes"), "hyper_connections='yes' is not allowed; choose one of"),
+      (dict(hyper_connections="static", hyper_rate=0), "hyper_rate=0 is not allowed"),
+      (dict(hyper_connections="static", branch_gain="rezero"),
+       "branch_gain='rezero' is not allowed; hyper-connections take no branch gains"),
+      (dict(hyper_connections="dynamic", norm_position="deepnorm"),
+       "norm_position='deepnorm' is not allowed; hyper-connections are pre-norm")]:
+    with pytest.raises(ValueError, match=match) as err:
+      Residual(**kwargs)
+    assert "\n" not in str(err.value)
+  spec = Residual(hyper_connections="static")
+  for make, match in [
+      (lambda: sit_lib.sit("micro/2", residual=spec, residual_routing="mirror"),
+       "hyper_connections='static' is not allowed with residual_routing='mirror'"),
+      (lambda: uvit_lib.uvit("tiny/4", residual=spec), "supported on MAE and SiT only"),
+      (lambda: vit_lib.ViTClassifier(num_classes=3, residual=spec),
+       "supported on MAE and SiT only")]:
+    with pytest.raises(ValueError, match=match) as err:
+      make()
+    assert "\n" not in str(err.value)
+  with pytest.raises(ConversionError, match="hyper_connections='static' has no counterpart") as e:
+    official.mae_to_torch({}, mae_lib.mae("micro/4", residual=spec))
+  assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("task", ["mae", "sit"])
+def test_train_steps_move_the_hyper_connections(task, form="dynamic"):
+  """Dynamic (its static part is the static form's parameters): three steps move them."""
+  make = tiny_config if task == "mae" else tiny_sit_config
+  config = make(**{"model.hyper_connections": form, "model.alpha_min": 0.7})
+  s = setup.build(config)
+  state = s.init_state()
+  before = jax.tree_util.tree_map(np.array, _hyper_weights(state["params"]))
+  batch = _batch(s, config)
+  losses = []
+  for _ in range(3):
+    state, metrics = s.train_step(state, batch)
+    losses.append(float(metrics["loss"]))
+  assert np.all(np.isfinite(losses)), losses
+  after = _hyper_weights(state["params"])
+  assert set(after) == set(before)
+  for k in ("static_alpha", "static_beta"):
+    assert np.abs(np.asarray(after[k]) - before[k]).max() > 0, (task, form, k)
