@@ -152,3 +152,19 @@ def matrix_panels(path: str, panels, title: str = "", vmin: float = 0.0,
       fig.colorbar(im, ax=axes.ravel().tolist(), fraction=0.03)
     if title:
       fig.suptitle(title, fontsize=10)
+
+
+def label_colours(labels, ignore: int = 255) -> np.ndarray:
+  """Integer label maps ``(..., H, W)`` -> uint8 RGB ``(..., H, W, 3)`` (tab20 colours, label
+  ``ignore`` grey): segmentation masks and predictions."""
+  import matplotlib
+  palette = np.round(np.asarray(matplotlib.colormaps["tab20"].colors) * 255).astype(np.uint8)
+  labels = np.asarray(labels)
+  out = palette[np.where(labels == ignore, 0, labels) % len(palette)]
+  out[labels == ignore] = 128
+  return out
+
+
+def enlarge(picture: np.ndarray, scale: int) -> np.ndarray:
+  """A uint8 picture ``(H, W, C)`` enlarged ``scale`` times (nearest)."""
+  return np.repeat(np.repeat(picture, scale, axis=0), scale, axis=1)

@@ -29,6 +29,9 @@ The workbench (``decay_jax.evals.workbench``, docs/workbench.md) adds:
 
   ``cka``     minibatch CKA maps between the blocks of each model (``--cka_images``,
               ``--cka_batch``, ``--cka_feature``) and, with several models, between their blocks
+  ``segmentation`` unsupervised segmentation by deep spectral methods (docs/segmentation.md):
+              mIoU on ``--seg_data`` (a folder of images/ and masks/, or ``synthetic``), with
+              ``--seg_block``, ``--seg_eigs``, ``--seg_segments``, ``--seg_clusters``, ...
   ``routing`` routing weights of a routed SiT run per bin of time (``--routing_bins``,
               ``--routing_images``)
   ``--ablate=alphas_one,alpha_min=0.8,no_identity=3,no_branch=5`` every entry one more model
@@ -55,6 +58,7 @@ from decay_jax import logs, paths
 from decay_jax import sharding as shd
 from decay_jax.cli import errors
 from decay_jax.evals import cka, registry, report, routing_maps, suite, workbench
+from decay_jax.evals.segmentation import DEFAULTS as SEG
 from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import trainer
 
@@ -95,6 +99,22 @@ _ROUTING_BINS = flags.DEFINE_integer("routing_bins", routing_maps.DEFAULTS["bins
                                      "routing: equal bins of SiT time t in [0, 1], one panel each.")
 _ROUTING_IMAGES = flags.DEFINE_integer("routing_images", routing_maps.DEFAULTS["images"],
                                        "routing: evaluation images per bin.")
+
+_SEG_FLAGS = (  # settings key, flag type, help (decay_jax.evals.segmentation, docs/segmentation.md)
+    ("data", "string", "'synthetic' or a folder with images/NAME.jpg|png and masks/NAME.png"),
+    ("images", "integer", "images (folder: the first N sorted names, 0 all)"),
+    ("block", "integer", "block whose patch tokens are used (negative from the end)"),
+    ("eigs", "integer", "eigenvectors K of the Laplacian"),
+    ("segments", "integer", "KMeans segments per image"),
+    ("clusters", "integer", "segment clusters over the set (0: classes, less the background)"),
+    ("classes", "integer", "classes of the masks (0: synthetic 4, folder max label + 1)"),
+    ("ignore", "integer", "the ignored mask label"),
+    ("lam", "float", "weight lambda of the colour KNN affinity (flag --seg_lambda)"),
+    ("background", "bool", "the segment touching the border most is background"),
+    ("seed", "integer", "KMeans and synthetic-set seed"))
+_SEG = {key: getattr(flags, f"DEFINE_{kind}")("seg_" + ("lambda" if key == "lam" else key),
+                                               SEG[key], f"segmentation: {text}.")
+        for key, kind, text in _SEG_FLAGS}
 
 
 def _models(mesh):
@@ -192,7 +212,8 @@ def main(argv):
   try:
     mesh = shd.make_mesh(-1, _FSDP.value)
     bench = workbench.Workbench(_CKA_IMAGES.value, _CKA_BATCH.value, _CKA_FEATURE.value,
-                                _ROUTING_BINS.value, _ROUTING_IMAGES.value, _ABLATE.value)
+                                _ROUTING_BINS.value, _ROUTING_IMAGES.value, _ABLATE.value,
+                                {k: f.value for k, f in _SEG.items()})
     for label, model, params, data_cfg, evals_cfg, source, run_cfg in _models(mesh):
       where = f"{next(iter(source))}={next(iter(source.values()))!r}"
       here = [n for n in workbench.applicable(model, names, _EVALS.present, where)

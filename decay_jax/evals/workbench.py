@@ -7,6 +7,7 @@
                several models (ablations included) also between the blocks of every pair of them
                evaluated on the same images
   ``routing``  the routing weights of a routed SiT per bin of time (``evals.routing_maps``)
+  ``segmentation`` unsupervised segmentation by deep spectral methods (``evals.segmentation``)
 
 and, with ``ablate``, the same evaluators on every ablation of the model (``evals.ablation``),
 each one more record named ``NAME[entry]``. ``finish`` writes the workbench's plots and returns the
@@ -27,11 +28,11 @@ from absl import logging
 
 from decay_jax import paths, plots, validate
 from decay_jax.evals import (ablation, cka, diffusion_probe, evaluators, registry, report,
-                             routing_maps, sit_probe, suite)
+                             routing_maps, segmentation, sit_probe, suite)
 from decay_jax.models import factory, routing
 from decay_jax.models import sit as sit_lib
 
-EVALS = ("cka", "routing")
+EVALS = ("cka", "routing", "segmentation")
 CKA_WITHIN_PNG = "cka_within.png"
 CKA_BETWEEN_PNG = "cka_between.png"
 
@@ -69,6 +70,9 @@ def applicable(model, names: Sequence[str], explicit: bool, label: str) -> List[
                        "knn, linear and layers with --config (--evals=cka,routing)")
     if not explicit:  # a SiT run's config has no probe sections by default
       out = ["cka"] + (["routing"] if model.residual_routing in routing.ROUTED else [])
+  if "segmentation" in out and isinstance(model, (diffusion_probe.ProbedUViT, sit_lib.SiT)):
+    raise ValueError(f"--evals=segmentation is not allowed on {label}; it reads the patch tokens "
+                     "of an MAE encoder")
   if "routing" in out and getattr(model, "residual_routing", "none") not in routing.ROUTED:
     raise ValueError(f"--evals=routing is not allowed on {label}; it needs a SiT run with "
                      f"residual_routing in {', '.join(routing.ROUTED)}")
@@ -81,8 +85,11 @@ class Workbench:
   def __init__(self, cka_images: int = cka.DEFAULTS["images"],
                cka_batch: int = cka.DEFAULTS["batch"], cka_feature: str = cka.DEFAULTS["feature"],
                routing_bins: int = routing_maps.DEFAULTS["bins"],
-               routing_images: int = routing_maps.DEFAULTS["images"], ablate: str = ""):
+               routing_images: int = routing_maps.DEFAULTS["images"], ablate: str = "",
+               seg: Optional[dict] = None):
     cka.check_settings(cka_images, cka_batch, cka_feature)
+    self.seg = segmentation.check_settings(seg or {})
+    self.seg_pictures: Dict[str, dict] = {}  # record name -> picture rows
     routing_maps.check_settings(routing_bins, routing_images)
     ablation.parse(ablate)  # checks the flag before any model is loaded
     self.cka_images, self.cka_batch, self.cka_feature = cka_images, cka_batch, cka_feature
@@ -126,6 +133,13 @@ class Workbench:
       record["sections"]["routing"] = routing_maps.routing_section(
           model, params, arrays, data_cfg, run_cfg.transport, self.routing_bins)
       record["seconds"]["routing"] = time.perf_counter() - t0
+    if "segmentation" in names:
+      t0 = time.perf_counter()
+      logging.info("[%s] segmentation ...", name)
+      sec = segmentation.evaluate(model, params, mesh, data_cfg, self.seg)
+      self.seg_pictures[name] = sec.pop("_picture")
+      record["sections"]["segmentation"] = sec
+      record["seconds"]["segmentation"] = time.perf_counter() - t0
     return record
 
   def between(self) -> List[dict]:
@@ -184,7 +198,24 @@ class Workbench:
                 f"Mean weights per routed sublayer (rows) over candidates (columns), one panel per "
                 f"bin of SiT time t (t = 1 data), {sec['num_images']} evaluation images each.", "",
                 f"![routing weights of {r['name']}]({png})", ""]
+    for r in records:
+      sec = r["sections"].get("segmentation")
+      if sec:
+        png = f"segmentation_{_slug(r['name'])}.png"
+        pic = self.seg_pictures.get(r["name"])
+        if pic is not None:
+          plots.save_picture(paths.join(out_dir, png), _seg_picture(pic))
+        lines += segmentation.markdown(r["name"], sec, png if pic is not None else None)
     return lines, extra
+
+
+def _seg_picture(pic: dict) -> np.ndarray:
+  """Rows image / ground truth / segments / predicted classes, enlarged to >= 96 pixels."""
+  image = pic["image"]
+  image = np.repeat(image, 3, axis=-1) if image.shape[-1] == 1 else image
+  rows = [image, plots.label_colours(pic["mask"], pic["ignore"]),
+          plots.label_colours(pic["segments"]), plots.label_colours(pic["pred"])]
+  return plots.enlarge(plots.image_grid(rows), max(1, 96 // image.shape[1]))
 
 
 def _slug(name: str) -> str:
