@@ -304,7 +304,8 @@ class _InterruptedWhileFreed:
 
 
 def test_ctrl_c_while_a_batch_frees_itself_is_raised_not_lost():
-  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  # pytest-xdist's workers start with Ctrl-C ignored: handle it as a terminal's Python would
+  previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
   unraisable = []
   previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
   try:
@@ -317,9 +318,10 @@ def test_ctrl_c_while_a_batch_frees_itself_is_raised_not_lost():
       with loader.sigint_deferred():
         del obj
     assert unraisable == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
   finally:
     sys.unraisablehook = previous_hook
-  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    signal.signal(signal.SIGINT, previous_handler)
 
 
 def test_the_stream_frees_each_batch_two_steps_later(digits):

@@ -203,24 +203,27 @@ def test_gpu_bench_dry_run_runs_the_headline_cases_then_the_a_b_cases():
   p = run(["bash", "launch/gpu_bench.sh", "/tmp/out"], DRY_RUN="1")
   assert p.returncode == 0, p.stderr
   lines = p.stdout.strip().splitlines()
-  assert len(lines) == 9
+  assert len(lines) == 13
   for line in lines:
     assert ".venv/bin/python -m decay_jax.cli.bench " in line and "micro" not in line
     assert "--steps=10 --repeats=3 --out=/tmp/out/bench.jsonl" in line
     assert "--config.model.dtype=bfloat16" in line
-  sit, sit_maxtext, mae = lines[:3]
+  sit, mae, sit_128, sit_context, cudnn_gemm, no_triton, sit_maxtext = lines[:7]
   assert "--config=configs/sit_xl2.py" in sit and "--batch_per_device=64" in sit
-  assert "attention_impl=cudnn" in sit and not sit.startswith("XLA_FLAGS")
-  assert sit_maxtext.startswith("XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true")
-  # cuDNN's training kernel refuses the MAE decoder's 197 tokens (JAX 0.11).
+  assert "attention_impl=cudnn" in sit and "--remat=dots" in sit and not sit.startswith("XLA_FLAGS")
+  # MAE's decoder (197 tokens) takes cuDNN's kernel padded to 198 (layers.attend).
   assert "--config=configs/mae_vit_l16.py" in mae and "--batch_per_device=128" in mae
-  assert "attention_impl=xla" in mae
-  assert sum("--remat=" in line for line in lines) == 2
+  assert "attention_impl=cudnn" in mae
+  assert "--batch_per_device=128" in sit_128 and "--remat=dots_context" in sit_context
+  assert cudnn_gemm.startswith("XLA_FLAGS=--xla_gpu_cudnn_gemm_fusion_level=2 ")
+  assert no_triton.startswith("XLA_FLAGS=--xla_gpu_enable_triton_gemm=false ")
+  assert sit_maxtext.startswith("XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true")
+  assert any("mae_vit_l16.py" in line and "attention_impl=xla" in line for line in lines[7:])
   assert {"--batch_per_device=32", "--batch_per_device=128"} <= set(p.stdout.split())
-  # The CPU check of the script: the three headline cases, tiny, XLA attention.
+  # The CPU check of the script: the two headline cases and the three flag cases, tiny, XLA.
   p = run(["bash", "launch/gpu_bench.sh", "/tmp/out"], DRY_RUN="1", BENCH_PLATFORM="cpu")
-  assert p.returncode == 0 and p.stdout.count("--config.model.preset=micro/4") == 3
-  assert "cudnn" not in p.stdout
+  assert p.returncode == 0 and p.stdout.count("--config.model.preset=micro/4") == 5
+  assert "cudnn" not in p.stdout.replace("cudnn_gemm_fusion_level", "")
   p = run(["bash", "launch/gpu_bench.sh", "/tmp/out"], BENCH_PLATFORM="tpu")
   assert p.returncode == 2 and "BENCH_PLATFORM=tpu is not allowed" in p.stderr
   p = run(["bash", "launch/gpu_bench.sh"])

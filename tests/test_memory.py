@@ -60,7 +60,7 @@ def test_command_line_rejects_bad_values_in_one_line():
   for args, line in ((["--fsdp=3"], "error: mesh.fsdp=3 is not allowed; it must divide the "
                                     "device count 8"),
                      (["--remat=some"], "error: --remat=some is not allowed; choose from none, "
-                                        "full, dots")):
+                                        "full, dots, dots_context")):
     p = subprocess.run([sys.executable, "-m", "decay_jax.cli.memory", "--task=sit",
                         "--preset=micro/4", "--devices=8"] + args, cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=120)
