@@ -20,7 +20,7 @@ from decay_jax.models import uvit as uvit_lib
 from decay_jax.models import vit as vit_lib
 from decay_jax.models.residual import Residual
 from decay_jax.train import optim, setup
-from test_residual_forms import _attn, _batch, _dense, _ln, _mlp, _random
+from test_residual_forms import _attn, _dense, _ln, _mlp, _random, _train_steps
 from test_sit_train import tiny_sit_config
 from test_train import tiny_config
 
@@ -212,12 +212,7 @@ def test_train_steps_move_the_hyper_connections(task, form="dynamic"):
   s = setup.build(config)
   state = s.init_state()
   before = jax.tree_util.tree_map(np.array, _hyper_weights(state["params"]))
-  batch = _batch(s, config)
-  losses = []
-  for _ in range(4):
-    state, metrics = s.train_step(state, batch)
-    losses.append(float(metrics["loss"]))
-  assert np.all(np.isfinite(losses)), losses
+  state = _train_steps(s, config, state, 4)
   after = _hyper_weights(state["params"])
   assert set(after) == set(before)
   for k in ("static_alpha", "static_beta"):

@@ -133,6 +133,16 @@ def test_initial_gains_follow_cait_and_rezero():
                 residual=Residual(branch_gain="layerscale"))
 
 
+def _train_steps(s, config, state, steps):
+  """``steps`` train steps of ``s`` on one batch; the losses must stay finite. Returns the state."""
+  batch, losses = _batch(s, config), []
+  for _ in range(steps):
+    state, metrics = s.train_step(state, batch)
+    losses.append(float(metrics["loss"]))
+  assert np.all(np.isfinite(losses)), losses
+  return state
+
+
 def _batch(s, config):
   """A batch of the task's input dtype: random images and labels."""
   rng = np.random.default_rng(0)
@@ -152,14 +162,9 @@ def test_train_steps_move_the_gains(task, gain):
   state = s.init_state()
   stack = "blocks" if task == "mae" else "enc_blocks"
   before = np.array(state["params"][stack]["gain_attn"])  # a copy: the step donates the state
-  batch = _batch(s, config)
-  losses = []
   # Four steps: MAE's zero-initialised head passes no gradient to the encoder at step 1, and its
   # zero attn.proj (kept with LayerScale) none to the gain at step 2.
-  for _ in range(4):
-    state, metrics = s.train_step(state, batch)
-    losses.append(float(metrics["loss"]))
-  assert np.all(np.isfinite(losses)), losses
+  state = _train_steps(s, config, state, 4)
   after = np.asarray(state["params"][stack]["gain_attn"])
   assert np.abs(after - before).max() > 0, (task, gain)
 
