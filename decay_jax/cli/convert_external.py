@@ -1,15 +1,20 @@
-"""Convert the external networks of the generation pipeline to Flax: the SD VAE and FID Inception
-(``decay_jax.io.convert_external`` holds the conversion; nothing is downloaded).
+"""Convert external networks to Flax: the SD VAE, FID Inception and DINOv2 (REPA's encoder).
+
+``decay_jax.io.convert_external`` and ``convert_dinov2`` hold the conversion; nothing is downloaded.
 
     python -m decay_jax.cli.convert_external vae --checkpoint diffusion_pytorch_model.safetensors \
         --config config.json --out /data/sd_vae_ft_ema
     python -m decay_jax.cli.convert_external inception \
         --checkpoint pt_inception-2015-12-05-6726825d.pth --out /data/fid_inception
+    python -m decay_jax.cli.convert_external dinov2 --checkpoint dinov2_vitb14_pretrain.pth \
+        --out /data/dinov2_vitb14
     python -m decay_jax.cli.convert_external random-vae --out /tmp/vae --channels 32,64,64,64 --groups 8
 
 ``vae``: diffusers ``AutoencoderKL`` weights and, optionally, its ``config.json`` (for
 ``norm_num_groups`` and ``scaling_factor``; defaults 32 and 0.18215); ``inception``: pytorch-fid's
-``pt_inception-2015-12-05-6726825d.pth``; ``random-vae`` / ``random-inception``: random weights of
+``pt_inception-2015-12-05-6726825d.pth``; ``dinov2``: the hub's ``dinov2_vit*14*_pretrain.pth`` or
+timm's ``vit_*_patch14_dinov2`` weights (sizes read off the tensors; ``--pos-interpolation``
+docs/dinov2.md); ``random-vae`` / ``random-inception``: random weights of
 the same layouts, for trying the pipeline (the numbers they produce mean nothing). Output: an orbax
 params directory plus ``model.json``. Every bad input is one line naming the argument, exit
 status 2.
@@ -22,6 +27,7 @@ import sys
 from typing import Optional, Sequence
 
 from decay_jax import logs, validate
+from decay_jax.io import convert_dinov2
 from decay_jax.io import convert_external as ext
 from decay_jax.io.inputs import OUT_DIR, bad_input, check_out_dir, error_detail, input_file
 from decay_jax.io.rules import ConversionError, Report
@@ -33,6 +39,8 @@ from decay_jax.validate import InputError
 EXPECTED = {
     "vae": "diffusers AutoencoderKL weights (diffusion_pytorch_model.safetensors or .bin)",
     "inception": "pytorch-fid's FID Inception weights (pt_inception-2015-12-05-6726825d.pth)",
+    "dinov2": ("DINOv2 weights (the hub's dinov2_vitb14_pretrain.pth or timm's "
+               "vit_base_patch14_dinov2 .safetensors)"),
 }
 CONFIG_EXPECTED = ("diffusers' config.json of the VAE (a JSON object with norm_num_groups, "
                    "scaling_factor)")
@@ -72,7 +80,7 @@ def _vae_overrides(config_path: Optional[str], groups: Optional[int], scale: Opt
 
 def _read_model(a):
   """``(model, params, report)`` of the kind on the command line."""
-  if a.kind in ("vae", "inception"):
+  if a.kind in ("vae", "inception", "dinov2"):
     expected = EXPECTED[a.kind]
     if not a.checkpoint:
       raise bad_input("--checkpoint", None, f"{a.kind} needs the weights file", expected)
@@ -83,6 +91,9 @@ def _read_model(a):
         sd = ext.modernise_vae_keys(sd)
         model = vae_lib.AutoencoderKL(**ext.infer_vae_fields(sd), **overrides)
         params, report = ext.vae_from_torch(sd, model)
+      elif a.kind == "dinov2":
+        model, params, report = convert_dinov2.dinov2_from_state_dict(
+            sd, pos_interpolation=a.pos_interpolation)
       else:
         model = inception_lib.FIDInceptionV3()
         params, report = ext.inception_from_torch(sd, model)
@@ -116,12 +127,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   """The command line; returns the exit status (2: bad input, one line on stderr)."""
   p = validate.ArgumentParser(prog="python -m decay_jax.cli.convert_external",
                               description=__doc__.split("\n")[0])
-  p.add_argument("kind", choices=("vae", "inception", "random-vae", "random-inception"))
-  p.add_argument("--checkpoint", help="vae: diffusers .safetensors/.bin; inception: the .pth")
+  p.add_argument("kind", choices=("vae", "inception", "dinov2", "random-vae", "random-inception"))
+  p.add_argument("--checkpoint", help="vae: diffusers .safetensors/.bin; inception, dinov2: the "
+                 ".pth (dinov2: or timm's .safetensors)")
   p.add_argument("--out", required=True, help="directory for the Flax params (orbax) + model.json")
   p.add_argument("--config", help="vae: diffusers config.json (norm_num_groups, scaling_factor)")
   p.add_argument("--groups", type=int, default=None, help="vae: GroupNorm groups (default 32)")
   p.add_argument("--scale", type=float, default=None, help="vae: latent scale (default 0.18215)")
+  p.add_argument("--pos-interpolation", default="timm", choices=("timm", "dinov2"),
+                 help="dinov2: resampling of the position table (timm's, as REPA; or the hub's)")
   p.add_argument("--channels", default="128,256,512,512", help="random-vae: block widths")
   p.add_argument("--layers", type=int, default=2, help="random-vae: resnets per level")
   p.add_argument("--seed", type=int, default=0, help="random-*: init seed")

@@ -15,6 +15,7 @@ from typing import Callable, Dict
 import jax.numpy as jnp
 
 from decay_jax import validate
+from decay_jax.models import dinov2 as dinov2_lib
 from decay_jax.models import inception as inception_lib
 from decay_jax.models import mae as mae_lib
 from decay_jax.models import sit as sit_lib
@@ -26,7 +27,8 @@ from decay_jax.models.residual import Residual
 MODEL_CLASSES = {"MaskedAutoencoder": mae_lib.MaskedAutoencoder, "SiT": sit_lib.SiT,
                  "AutoencoderKL": vae_lib.AutoencoderKL,
                  "FIDInceptionV3": inception_lib.FIDInceptionV3,
-                 "ViTClassifier": vit_lib.ViTClassifier, "UViT": uvit_lib.UViT}
+                 "ViTClassifier": vit_lib.ViTClassifier, "UViT": uvit_lib.UViT,
+                 "DINOv2": dinov2_lib.DINOv2}
 
 
 def _mae(config, info, preset, residual, m, pretrained):
