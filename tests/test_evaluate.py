@@ -14,20 +14,12 @@ from decay_jax import sharding as shd
 from decay_jax.evals import registry, suite
 from decay_jax.train import trainer
 from decay_jax.train import checkpoint as ckpt_lib
+from testing_configs import shrink_lines
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Shrinks a CPU config to a few steps on 16-pixel digits, one device, synchronous checkpoints.
-SHRINK = """
-  c.data.image_size = 16
-  c.num_train_steps = 4
-  c.warmup_epochs = 0.0
-  c.log_every_steps = 2
-  c.picture_every_steps = 0
-  c.checkpoint.every_steps = 4
-  c.checkpoint.async_save = False
-  c.mesh.data = 1
-"""
+# Shrinks a CPU config to 4 steps on 16-pixel digits, one device, synchronous checkpoints.
+SHRINK = shrink_lines(4)
 
 # A config file for both training and evaluation: the demo config shrunk to the micro model on
 # 16-pixel digits, 512 training and 256 test images, every evaluator a few steps long.

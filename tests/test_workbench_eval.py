@@ -16,21 +16,12 @@ import pytest
 from decay_jax.evals import ablation, cka, registry
 from decay_jax.models import mae as mae_lib
 from decay_jax.train import trainer
+from testing_configs import shrink_lines
 
 REPO = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
 CONFIGS = os.path.join(REPO, "configs")
 
-SHRINK = """
-  c.data.image_size = 16
-  c.batch_size = 16
-  c.num_train_steps = 2
-  c.warmup_epochs = 0.0
-  c.log_every_steps = 1
-  c.picture_every_steps = 0
-  c.checkpoint.every_steps = 2
-  c.checkpoint.async_save = False
-  c.mesh.data = 1
-"""
+SHRINK = "\n  c.batch_size = 16" + shrink_lines(2)
 MAE_CONFIG = '''
 import runpy
 

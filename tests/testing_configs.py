@@ -27,6 +27,21 @@ def load_config(name: str, *args):
 override = config_lib.override  # dotted-field overrides, shared with research.small_scale_study.run
 
 
+def shrink_lines(steps: int) -> str:
+  """Lines of a config file's ``get_config`` that shrink a CPU config to ``steps`` steps on 16-pixel
+  digits, one device, synchronous checkpoints (at the last step), logging every ``steps / 2``."""
+  return f"""
+  c.data.image_size = 16
+  c.num_train_steps = {steps}
+  c.warmup_epochs = 0.0
+  c.log_every_steps = {max(1, steps // 2)}
+  c.picture_every_steps = 0
+  c.checkpoint.every_steps = {steps}
+  c.checkpoint.async_save = False
+  c.mesh.data = 1
+"""
+
+
 def write_digit_folder(directory: str, train: int = 64, test_per_class: int = 2) -> str:
   """An image folder of PNG digits from the embedded MNIST: ``directory/train/<digit>/<i>.png``
   (the first ``train`` training digits) and ``directory/test/<digit>/<i>.png`` (the first

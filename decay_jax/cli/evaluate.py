@@ -88,19 +88,31 @@ _FSDP = flags.DEFINE_integer("fsdp", 1, "Devices that split each parameter (mesh
 _ABLATE = flags.DEFINE_list("ablate", [], "Post-training ablations, each one more model NAME[entry]:"
                             " alphas_one, alpha_min=V, shape=S, convention=C, no_identity=B, "
                             "no_branch=B, several joined by '+' (decay_jax.evals.ablation).")
-_CKA_IMAGES = flags.DEFINE_integer("cka_images", cka.DEFAULTS["images"],
-                                   "cka: evaluation images (a multiple of --cka_batch).")
-_CKA_BATCH = flags.DEFINE_integer("cka_batch", cka.DEFAULTS["batch"],
-                                  "cka: minibatch of the unbiased HSIC (>= 4).")
-_CKA_FEATURE = flags.DEFINE_enum("cka_feature", cka.DEFAULTS["feature"], list(cka.FEATURES),
-                                 "cka: 'tokens' (all tokens of an image flattened) or a pooled "
-                                 "feature choice.")
-_ROUTING_BINS = flags.DEFINE_integer("routing_bins", routing_maps.DEFAULTS["bins"],
-                                     "routing: equal bins of SiT time t in [0, 1], one panel each.")
-_ROUTING_IMAGES = flags.DEFINE_integer("routing_images", routing_maps.DEFAULTS["images"],
-                                       "routing: evaluation images per bin.")
 
-_SEG_FLAGS = (  # settings key, flag type, help (decay_jax.evals.segmentation, docs/segmentation.md)
+
+def _settings_flags(prefix: str, label: str, defaults: dict, rows, rename=None) -> dict:
+  """``{key: flag}``: one flag ``--PREFIX_KEY`` per row ``(key, kind, help)`` of an evaluator's
+  settings, its default from ``defaults[key]``; ``kind`` is an absl flag type or a tuple of
+  choices (an enum)."""
+  out = {}
+  for key, kind, text in rows:
+    name, text = f"{prefix}_{(rename or {}).get(key, key)}", f"{label}: {text}."
+    if isinstance(kind, tuple):
+      out[key] = flags.DEFINE_enum(name, defaults[key], list(kind), text)
+    else:
+      out[key] = getattr(flags, f"DEFINE_{kind}")(name, defaults[key], text)
+  return out
+
+
+_CKA = _settings_flags("cka", "cka", cka.DEFAULTS, (
+    ("images", "integer", "evaluation images (a multiple of --cka_batch)"),
+    ("batch", "integer", "minibatch of the unbiased HSIC (>= 4)"),
+    ("feature", tuple(cka.FEATURES), "'tokens' (all tokens of an image flattened) or a pooled "
+     "feature choice")))
+_ROUTING = _settings_flags("routing", "routing", routing_maps.DEFAULTS, (
+    ("bins", "integer", "equal bins of SiT time t in [0, 1], one panel each"),
+    ("images", "integer", "evaluation images per bin")))
+_SEG = _settings_flags("seg", "segmentation", SEG, (  # decay_jax.evals.segmentation
     ("data", "string", "'synthetic' or a folder with images/NAME.jpg|png and masks/NAME.png"),
     ("images", "integer", "images (folder: the first N sorted names, 0 all)"),
     ("block", "integer", "block whose patch tokens are used (negative from the end)"),
@@ -109,12 +121,9 @@ _SEG_FLAGS = (  # settings key, flag type, help (decay_jax.evals.segmentation, d
     ("clusters", "integer", "segment clusters over the set (0: classes, less the background)"),
     ("classes", "integer", "classes of the masks (0: synthetic 4, folder max label + 1)"),
     ("ignore", "integer", "the ignored mask label"),
-    ("lam", "float", "weight lambda of the colour KNN affinity (flag --seg_lambda)"),
+    ("lam", "float", "weight lambda of the colour KNN affinity"),
     ("background", "bool", "the segment touching the border most is background"),
-    ("seed", "integer", "KMeans and synthetic-set seed"))
-_SEG = {key: getattr(flags, f"DEFINE_{kind}")("seg_" + ("lambda" if key == "lam" else key),
-                                               SEG[key], f"segmentation: {text}.")
-        for key, kind, text in _SEG_FLAGS}
+    ("seed", "integer", "KMeans and synthetic-set seed")), rename={"lam": "lambda"})
 
 
 def _models(mesh):
@@ -211,9 +220,9 @@ def main(argv):
   t0 = time.perf_counter()
   try:
     mesh = shd.make_mesh(-1, _FSDP.value)
-    bench = workbench.Workbench(_CKA_IMAGES.value, _CKA_BATCH.value, _CKA_FEATURE.value,
-                                _ROUTING_BINS.value, _ROUTING_IMAGES.value, _ABLATE.value,
-                                {k: f.value for k, f in _SEG.items()})
+    value = lambda prefix, table: {f"{prefix}{k}": f.value for k, f in table.items()}
+    bench = workbench.Workbench(**value("cka_", _CKA), **value("routing_", _ROUTING),
+                                ablate=_ABLATE.value, seg=value("", _SEG))
     for label, model, params, data_cfg, evals_cfg, source, run_cfg in _models(mesh):
       where = f"{next(iter(source))}={next(iter(source.values()))!r}"
       here = [n for n in workbench.applicable(model, names, _EVALS.present, where)

@@ -105,6 +105,14 @@ def decode(path: str, channels: int) -> np.ndarray:
 _SIMPLEJPEG_SPACES = ("YCbCr", "Gray")
 
 
+def _box_and_factor(uniforms: np.ndarray, height: int, width: int, size: int,
+                    scale: Tuple[float, float], ratio: Tuple[float, float], draft: bool):
+  """``(box, factor)``: the crop box drawn from the image's size and the DCT reduction it allows
+  (1 without ``draft``), the same for both decoders."""
+  box = augment.crop_box(uniforms, height, width, scale, ratio)
+  return box, (augment.dct_factor(box[2], box[3], size) if draft else 1)
+
+
 def _simplejpeg_crop(data: bytes, mode: str, uniforms: np.ndarray, size: int,
                      scale: Tuple[float, float], ratio: Tuple[float, float], draft: bool):
   """``(image, box, factor)`` for ``augment.resized_crop_pil``, decoded by simplejpeg, or None
@@ -123,8 +131,7 @@ def _simplejpeg_crop(data: bytes, mode: str, uniforms: np.ndarray, size: int,
   limit = Image.MAX_IMAGE_PIXELS
   if space not in _SIMPLEJPEG_SPACES or (limit and height * width > 2 * limit):
     return None  # (Pillow refuses such a decompression bomb)
-  box = augment.crop_box(uniforms, height, width, scale, ratio)
-  factor = augment.dct_factor(box[2], box[3], size) if draft else 1
+  box, factor = _box_and_factor(uniforms, height, width, size, scale, ratio, draft)
   grey = space == "Gray" or (mode == "L" and factor > 1)  # reduced: as Pillow's draft('L')
   shape = (-(-height // factor), -(-width // factor))
   scaling = {} if factor == 1 else {"min_factor": factor, "min_height": shape[0],
@@ -172,8 +179,7 @@ def crop_resized(path: str, channels: int, uniforms: np.ndarray, size: int,
       return augment.pil_to_uint8(augment.resized_crop_pil(*decoded, size, flipped, mode))
     with Image.open(io.BytesIO(data)) as image:
       width, height = image.size
-      box = augment.crop_box(uniforms, height, width, scale, ratio)
-      factor = augment.dct_factor(box[2], box[3], size) if draft else 1
+      box, factor = _box_and_factor(uniforms, height, width, size, scale, ratio, draft)
       if factor > 1:
         # Pillow picks the largest reduction s with s <= min(W // w', H // h') for the
         # requested (w', h'); for (W // f, H // f) that is f. None: the format has none.

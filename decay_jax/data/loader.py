@@ -78,6 +78,15 @@ class EpochOrder:
     epoch, offset = divmod(int(position), self.n)
     return int(self.permutation(epoch)[offset])
 
+  def records(self, positions: np.ndarray) -> np.ndarray:
+    """``self(g)`` for every global position of ``positions``, one permutation lookup per epoch."""
+    epochs, offsets = np.divmod(positions, self.n)
+    out = np.empty(len(positions), np.int64)
+    for epoch in np.unique(epochs):
+      hit = epochs == epoch
+      out[hit] = self.permutation(int(epoch))[offsets[hit]]
+    return out
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:

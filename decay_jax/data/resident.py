@@ -254,16 +254,6 @@ def _replicated(array: np.ndarray, mesh):
 # The stream.
 
 
-def _records_of(order: loader.EpochOrder, positions: np.ndarray) -> np.ndarray:
-  """``order(g)`` for a contiguous run of global positions, one permutation lookup per epoch."""
-  epochs, offsets = np.divmod(positions, order.n)
-  out = np.empty(len(positions), np.int64)
-  for epoch in np.unique(epochs):
-    hit = epochs == epoch
-    out[hit] = order.permutation(int(epoch))[offsets[hit]]
-  return out
-
-
 class ResidentStream:
   """Global training batches built on the devices from a resident copy of the train split.
 
@@ -311,7 +301,7 @@ class ResidentStream:
     first = self._layout.position(step * self._layout.local_batch)
     positions = first + np.arange(self.global_batch, dtype=np.int64)
     high, low = position_words(positions)
-    return np.stack([_records_of(self._order, positions).astype(np.uint32), high, low], axis=1)
+    return np.stack([self._order.records(positions).astype(np.uint32), high, low], axis=1)
 
   def __iter__(self):
     return self

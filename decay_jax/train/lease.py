@@ -238,25 +238,6 @@ class Lease:
     self.release()
 
 
-class _Nested:
-  """A second hold of a lease this process holds: checks it, leaves releasing to the first."""
-
-  def __init__(self, lease: Lease):
-    self.lease = lease
-
-  def check(self) -> None:
-    self.lease.check()
-
-  def release(self) -> None:
-    pass
-
-  def __enter__(self) -> "_Nested":
-    return self
-
-  def __exit__(self, *exc) -> None:
-    pass
-
-
 class _NotHeld:
   """What processes other than 0 get: nothing to check or release."""
 
@@ -266,11 +247,21 @@ class _NotHeld:
   def release(self) -> None:
     pass
 
-  def __enter__(self) -> "_NotHeld":
+  def __enter__(self):
     return self
 
   def __exit__(self, *exc) -> None:
     pass
+
+
+class _Nested(_NotHeld):
+  """A second hold of a lease this process holds: checks it, leaves releasing to the first."""
+
+  def __init__(self, lease: Lease):
+    self.lease = lease
+
+  def check(self) -> None:
+    self.lease.check()
 
 
 def acquire(workdir: str, heartbeat_s: float = HEARTBEAT_S, stale_s: float = STALE_S):
