@@ -8,6 +8,11 @@ Hardware: 8 GPUs or a TPU v4-8 and up (bfloat16 compute).
 Expected time: not measured by us (about a fifth of SiT-XL/2's compute per step).
 Expected result: none published for the decayed SiT-B/2; upstream SiT-B/2 (plain residuals)
   reports FID-50K 33.0 at 400K steps (SiT paper, ODE sampler, no CFG).
+Evaluation (config.evals.generation, docs/generation_metrics.md "Periodic evaluation"): FID-50K,
+  sFID, IS, precision, recall of 50,000 EMA samples, SDE Euler-Maruyama 250 steps, no guidance
+  (the SiT paper's FID sampler; the decay paper's own is not public) against ADM's
+  VIRTUAL_imagenet256_labeled.npz; --config.evals.generation.enabled=True (with its ref,
+  inception and vae paths) logs them on 2,000 samples every 50K steps.
 """
 
 from decay_jax.train import config as config_lib
@@ -19,4 +24,7 @@ def get_config():
   c.model.alpha_min = 0.8
   c.model.dtype = "bfloat16"
   c.data.dataset = "latents:/path/to/imagenet256_latents"
+  # The reported evaluation (config.evals.generation; enable with the three paths set).
+  c.evals.generation.update(ref="/path/to/VIRTUAL_imagenet256_labeled.npz",
+                            inception="/path/to/fid_inception", vae="/path/to/sd_vae_ft_ema")
   return c

@@ -32,4 +32,5 @@ def get_config():
   c.data.flip = True  # pick the stored original or flipped latent (the official flip)
   c.num_train_steps = 2000
   c.sample.cfg_channels = 3  # the official 3-of-4-channel guidance on latents
+  c.evals.generation.sample.cfg_channels = 3  # its evaluation also needs evals.generation.vae
   return c

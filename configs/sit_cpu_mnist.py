@@ -6,6 +6,9 @@ Command:
 Hardware: 2 CPU cores. Expected time: about 85 min (1.6 steps/s on idle cores), sampling 14 s.
 Expected result (measured, docs/sit.md): final loss 0.176; about 60 of 64 samples are
 clearly the requested digit.
+Evaluation (config.evals.generation): none reported; set up as the grid's sampler (ODE Heun 30
+  steps, CFG 2.0), 1,000 samples every 2,000 steps once enabled with a reference batch of digits
+  (decay_jax.cli.fid --save_stats) and an Inception directory (docs/generation_metrics.md).
 
 Images are scaled to [-1, 1] (the official Normalize(0.5, 0.5)), no crop and no flip (a flipped
 digit is another symbol). Classes are the 10 digits, with the null class 10 for guidance.
@@ -34,6 +37,9 @@ def get_config():
   c.sample.cfg_scale = 2.0
   c.sample.cfg_channels = 0  # one channel: guide all of it
   c.sample.num_steps = 30
+  c.evals.generation.sample.update(mode="ode", method="heun", num_steps=30, cfg_scale=2.0,
+                                   cfg_channels=0)
+  c.evals.generation.update(num_samples=1000, report_num=10_000, every_steps=2000)
   c.log_every_steps = 50
   c.picture_every_steps = 1000
   c.checkpoint.every_steps = 500

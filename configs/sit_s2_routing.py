@@ -4,7 +4,8 @@ config string: batch 256, 400K steps, ImageNet 256 latents, AdamW 1e-4, EMA 0.99
 Command (ROW is one of the rows below; without ':ROW' the row is fused_mirror):
   python -m decay_jax.cli.train --config=configs/sit_s2_routing.py:ROW --workdir=$WORKDIR/ROW \
       --config.data.dataset=latents:$LATENTS
-  python -m decay_jax.cli.sample --workdir=$WORKDIR/ROW --num=50000 --mode=ode --cfg=1.0
+  python -m decay_jax.cli.sample --workdir=$WORKDIR/ROW --num=50000 --sampler=eval --vae=$VAE
+  (--sampler=eval: the evaluation of configs/sit_s2.py, SDE Euler 250 steps, no guidance)
 Hardware: one to eight GPUs (bfloat16 compute), like configs/sit_s2.py.
 Expected time: not measured by us; routing adds < 0.5% FLOPs to SiT-S/2 (docs/routing.md).
 Expected result: the FID-50K at 400K steps the paper summary reports for DiT-S/2 (DDPM, so compare

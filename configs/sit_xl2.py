@@ -10,6 +10,11 @@ Expected time: not measured by us. DiT-XL/2 at batch 256 runs ~5.7 it/s on TPU v
   so 400K steps is roughly a day there; on 8 A100 at ~0.8 steps/s it is about a week.
 Expected result (the paper's, not reproduced here): FID-50K 11.8 at 400K steps (alpha_min = 1:
   16.5), EMA weights, ADM evaluation suite.
+Evaluation (config.evals.generation, docs/generation_metrics.md "Periodic evaluation"): FID-50K,
+  sFID, IS, precision, recall of 50,000 EMA samples, SDE Euler-Maruyama 250 steps, no guidance
+  (the SiT paper's FID sampler; the decay paper's own is not public) against ADM's
+  VIRTUAL_imagenet256_labeled.npz; --config.evals.generation.enabled=True (with its ref,
+  inception and vae paths) logs them on 2,000 samples every 50K steps.
 """
 
 from decay_jax.train import config as config_lib
@@ -21,4 +26,7 @@ def get_config():
   c.model.alpha_min = 0.8
   c.model.dtype = "bfloat16"
   c.data.dataset = "latents:/path/to/imagenet256_latents"
+  # The reported evaluation (config.evals.generation; enable with the three paths set).
+  c.evals.generation.update(ref="/path/to/VIRTUAL_imagenet256_labeled.npz",
+                            inception="/path/to/fid_inception", vae="/path/to/sd_vae_ft_ema")
   return c

@@ -10,6 +10,9 @@ Hardware: 2 CPU cores. Expected time: about 66 minutes per arm with both arms ru
 Expected result (measured, one run each, docs/uvit.md 7): final loss 0.044 (alpha_min 0.7) and
   0.043 (1.0); KNN of the last block's diffusion features 23.10% and 26.30%, official linear
   probe 31.95% and 33.80%; samples show digit-sized strokes on black, not yet legible digits.
+Evaluation (config.evals.generation): none reported; U-ViT's sampler (DPM-Solver-fast, 50 model
+  calls), 1,000 samples every 2,000 steps once enabled with a reference batch of digits and an
+  Inception directory (docs/generation_metrics.md).
 
 U-ViT's CIFAR-10 recipe (AdamW, betas (0.99, 0.999), weight decay 0.03 on every parameter, VPSDE
 noise prediction, DPM-Solver-fast for samples) with CPU changes: batch 64, lr 1e-3 (at U-ViT's 2e-4
@@ -37,6 +40,7 @@ def get_config():
   c.optim.lr = 1e-3  # U-ViT's 2e-4 leaves the high-noise predictions untrained after 2,000 steps
   c.ema_decay = 0.999
   c.sample.num_steps = 20  # DPM-Solver-fast model calls for the monitoring grid
+  c.evals.generation.update(num_samples=1000, report_num=10_000, every_steps=2000)
   c.log_every_steps = 50
   c.picture_every_steps = 1000
   c.checkpoint.every_steps = 500

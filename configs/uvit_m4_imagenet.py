@@ -18,6 +18,10 @@ Our choices where the paper is silent (docs/uvit.md): U-ViT's imagenet64_uvit_mi
 130,940,292 parameters at 1000 classes; 300K steps at batch 1024; AdamW 3e-4, betas (0.99, 0.99),
 weight decay 0.03, 5,000 warmup steps, EMA 0.9999; centre crop and flips), no guidance (the
 paper's decayed FIDs are unguided), the ImageNet-100 class list left to the user.
+Evaluation (config.evals.generation, docs/generation_metrics.md "Periodic evaluation"): FID of
+  50,000 EMA samples, DPM-Solver-fast with 50 model calls, unguided (our choice, U-ViT's
+  sampler), against ADM's VIRTUAL_imagenet64_labeled.npz (in1k) or a reference batch of your
+  ImageNet-100 images (decay_jax.cli.fid --save_stats); enabled, 10,000 samples every 50K steps.
 """
 
 from decay_jax.train import config as config_lib
@@ -45,4 +49,6 @@ def get_config(row: str = "in1k"):
   c.warmup_steps = 5000
   c.optim.lr = 3e-4
   c.optim.b2 = 0.99
+  ref = "VIRTUAL_imagenet64_labeled.npz" if row == "in1k" else "imagenet100_ref.npz"
+  c.evals.generation.update(inception="/path/to/fid_inception", ref=f"/path/to/{ref}")
   return c

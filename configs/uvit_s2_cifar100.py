@@ -13,6 +13,9 @@ Our choices where the paper is silent (docs/uvit.md): U-ViT's cifar10_uvit_small
 (S/2, 44,255,328 parameters; 500K steps at batch 128; AdamW 2e-4, betas (0.99, 0.999), weight decay
 0.03, 2,500 warmup steps, EMA 0.9999; random flips), the sublayer schedule and zero-initialised
 branch outputs; FID of 50K DPM-Solver-fast samples (50 model calls, EMA) against CIFAR-100 train.
+Evaluation (config.evals.generation, docs/generation_metrics.md "Periodic evaluation"): those
+  settings (report_num 50,000); enabled, 10,000 samples every 50K steps as U-ViT's train.py,
+  against a reference batch of the CIFAR-100 training images (decay_jax.cli.fid --save_stats).
 """
 
 from decay_jax.train import config as config_lib
@@ -24,4 +27,6 @@ def get_config():
   c.model.alpha_min = 0.7
   c.model.dtype = "bfloat16"
   c.data.dataset = "cifar100"
+  c.evals.generation.update(ref="/path/to/cifar100_train_ref.npz",
+                            inception="/path/to/fid_inception")
   return c

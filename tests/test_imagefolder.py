@@ -487,7 +487,7 @@ def test_sigkill_and_rerun_give_the_uninterrupted_parameters(digits, uninterrupt
                                      "process_0-of-1.json"))
   p = _run(workdir, digits["dir"])
   assert p.returncode == 0, p.stderr[-3000:]
-  assert "restored from the checkpoint's Grain state" in p.stderr
+  assert "restored from the checkpoint's input state" in p.stderr
   params, step = _final_params(workdir)
   expected, expected_step = uninterrupted
   assert step == expected_step == STEPS

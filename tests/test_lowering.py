@@ -30,6 +30,11 @@ TRAIN_CONFIGS = ([(name, None) for name in ("mae_vit_b16", "mae_vit_l16", "mae_v
                                             "finetune_vit_h14", "uvit_s2_cifar100",
                                             "uvit_m4_imagenet")]
                  + [("sit_s2_routing", row) for row in ROUTING_ROWS]
+                 # routing added to REPA SiT-XL/2: the gated start (init_from is read only by the
+                 # trainer, not by the lowering)
+                 + [("sit_repa_xl2_routing_finetune", None)]
+                 # REPA's recipe: the alignment loss on stored targets (repa_target_0 in the batch)
+                 + [("sit_repa_xl2", None)]
                  # the residual forms with trained branch gains (docs/residual_forms.md)
                  + [(name, f"branch_gain={gain}") for name in ("mae_vit_b16", "sit_xl2")
                     for gain in ("layerscale", "rezero")]

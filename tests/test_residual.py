@@ -40,12 +40,16 @@ NEW_FIELDS = {"branch_gain": "none", "gain_init": -1.0, "norm_position": "pre", 
               "hyper_connections": "none", "hyper_rate": 4}
 
 
-def same_fields(now: dict, stored: dict) -> bool:
+def same_fields(now: dict, stored: dict, cls=None) -> bool:
   """The flat model.json of today's code is the stored one, same order, plus the residual fields
-  added since (at their defaults, right after the old residual fields)."""
-  old = {k: v for k, v in now.items() if k not in NEW_FIELDS}
+  added since (at their defaults, right after the old residual fields) and the fields of model
+  class ``cls`` added since (at the class's defaults: SiT's ``routing_gate``, REPA's fields)."""
+  defaults = {f.name: f.default for f in dataclasses.fields(cls)} if cls is not None else {}
+  added = [k for k in now if k not in stored and k not in NEW_FIELDS]
+  old = {k: v for k, v in now.items() if k not in NEW_FIELDS and k not in added}
   return (list(old.items()) == list(stored.items())
-          and {k: now[k] for k in NEW_FIELDS} == NEW_FIELDS)
+          and {k: now[k] for k in NEW_FIELDS} == NEW_FIELDS
+          and all(k in defaults and now[k] == defaults[k] for k in added))
 
 
 def _close(got, want):
@@ -74,7 +78,7 @@ def test_sit_params_dir_written_before_the_spec_loads_and_computes_the_same(tmp_
   assert type(model) is sit_lib.SiT
   assert model.residual == Residual(alpha_min=0.8, schedule_convention="block",
                                     shortcut_form="attn_only")
-  assert same_fields(factory.model_fields(model), stored["fields"])
+  assert same_fields(factory.model_fields(model), stored["fields"], sit_lib.SiT)
   inp = expected["inputs"]
   out = model.apply({"params": params}, jnp.asarray(inp["x"], jnp.float32),
                     jnp.asarray(inp["t"], jnp.float32), jnp.asarray(inp["y"], jnp.int32))

@@ -4,12 +4,14 @@ The converter's command line (needs torch; paths may be ``gs://``)::
 
     python -m decay_jax.cli.convert mae --checkpoint checkpoint-799.pth --out DIR
     python -m decay_jax.cli.convert sit --checkpoint 0400000.pt --out DIR [--weights ema]
+    python -m decay_jax.cli.convert repa --checkpoint last.pt --out DIR [--encoder-depth 8]
     python -m decay_jax.cli.convert mae-upstream --checkpoint mae_pretrain_vit_base.pth --out DIR \
         --preset B/16 --alpha-min 0.6
     python -m decay_jax.cli.convert to-torch --params WORKDIR_OR_PARAMS_DIR --out FILE.pth \
         [--step N]
 
-``mae``, ``sit`` and ``mae-upstream`` read an official (or upstream MAE) file and write orbax params
+``mae``, ``sit``, ``repa`` (REPA's SiT, ``io.convert_repa``) and ``mae-upstream`` read an
+official (or upstream MAE) file and write orbax params
 plus ``model.json``; ``to-torch`` reads a training workdir's checkpoint or a params directory and
 writes the file the official code loads (``io.official`` holds the layouts, ``io.sizes`` reads a
 file's model sizes, ``io.torch_files`` the tensors-only reading, ``io.flax_params`` the Flax side).
@@ -25,6 +27,7 @@ from typing import Mapping, Optional, Sequence
 import jax
 
 from decay_jax import logs, paths, validate
+from decay_jax.io import convert_repa
 from decay_jax.io.flax_params import PARAMS_EXPECTED, check_params_match, read_params
 from decay_jax.io.inputs import OUT_DIR, bad_input, check_out_dir, error_detail
 from decay_jax.io.official import (mae_checkpoint, mae_from_torch, mae_from_upstream_encoder,
@@ -38,10 +41,11 @@ from decay_jax.models import sit as sit_lib
 from decay_jax.train import checkpoint
 from decay_jax.validate import InputError
 
-FROM_TORCH = ("mae", "sit", "mae-upstream")
+FROM_TORCH = ("mae", "sit", "repa", "mae-upstream")
 EXPECTED = {
     "mae": "an official decayed-MAE checkpoint (checkpoint-*.pth with 'model' and 'args')",
     "sit": "an official SiT checkpoint (*.pt with 'model', 'ema' and 'args')",
+    "repa": "REPA's SiT (its release last.pt, or a training checkpoint with 'ema' and 'model')",
     "mae-upstream": "an upstream MAE encoder (mae_pretrain_vit_*.pth)",
 }
 
@@ -90,6 +94,10 @@ def _from_torch(a) -> int:
   for name, value in (("--params", a.params), ("--step", a.step)):
     if value is not None:
       raise bad_input(name, value, f"is for to-torch; {a.kind} reads --checkpoint")
+  if a.encoder_depth is not None and a.kind != "repa":
+    raise bad_input("--encoder-depth", a.encoder_depth, "is for repa")
+  if a.kind == "repa" and a.alpha_min is not None:
+    raise bad_input("--alpha-min", a.alpha_min, "REPA's SiT has no decay (alpha_min is 1)")
   check_out_dir(a.out)
   path = a.checkpoint
   if a.kind == "mae-upstream":
@@ -127,6 +135,11 @@ def _from_torch(a) -> int:
         fields["num_heads"] = int(_arg(ckpt, "num_heads"))
       model = sit_lib.SiT(alpha_min=alpha_min, **fields)
       params, report = sit_from_torch(sd, model)
+    elif a.kind == "repa":
+      sd, what = convert_repa.repa_state_dict(ckpt, a.weights)
+      depth = convert_repa.encoder_depth_of(ckpt, a.encoder_depth)
+      print(f"read {what}; aligned block (encoder_depth) {depth}")
+      model, params, report = convert_repa.repa_from_torch(sd, depth)
     else:
       entry = "model" if isinstance(ckpt, Mapping) and "model" in ckpt else None
       sd = state_dict_entry(ckpt, entry, path, expected)
@@ -200,10 +213,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--alpha-min", type=float, default=None,
                  help="override args.min_decay / args.min_sigma (required if the file has no args)")
   p.add_argument("--weights", choices=("model", "ema"), default=None,
-                 help="sit: which weights to convert (default ema, as the official sampler); "
+                 help="sit, repa: which weights to convert (default ema, as the official sampler); "
                  "to-torch of an MAE run: its params (model, default) or their EMA")
   p.add_argument("--preset", default="B/16",
                  help="mae-upstream: the decayed MAE preset to initialise")
+  p.add_argument("--encoder-depth", type=int, default=None,
+                 help="repa: the block the projectors read (default: args.encoder_depth of a "
+                 "training checkpoint, else REPA's 8)")
   p.add_argument("--step", type=int, default=None,
                  help="to-torch of a training workdir: the checkpoint step (default: the newest)")
   a = p.parse_args(argv)

@@ -48,9 +48,7 @@ def _load_inception(directory: Optional[str]):
     raise ValueError("--inception is required to compute features of images (convert "
                      "pt_inception-2015-12-05-6726825d.pth with decay_jax.cli.convert_external)")
   model, params = checkpoint.load_params(directory, "inception")
-  if type(model).__name__ != "FIDInceptionV3":
-    raise ValueError(f"inception={directory!r} is not allowed; it holds a "
-                     f"{type(model).__name__}, not the FID Inception")
+  gen.check_inception(model, directory)
   return model, params
 
 

@@ -12,7 +12,9 @@ U-ViT's ``eps_c + s (eps_c - eps_null)`` (0 = none).
 
 Reads the run's ``config.json`` and newest checkpoint (``--step`` for another), and samples with
 the EMA weights (``--weights=params`` for the raw ones). Unset sampler flags take the run's
-``config.sample`` values. Labels are uniform in ``[0, num_classes)`` as ADM's and SiT's FID
+``config.sample`` values, or with ``--sampler=eval`` those of the evaluation the config reports
+(``config.evals.generation``: its ``sample`` section and ``batch_size``; with its ``seed``, the
+first ``num_samples`` images are those the periodic evaluation of training scores). Labels are uniform in ``[0, num_classes)`` as ADM's and SiT's FID
 samplers draw them (``--labels=cycle`` gives ``i % num_classes``); example ``i`` always gets the
 same noise and label (seeded by ``--seed`` and ``i``).
 
@@ -49,8 +51,7 @@ from decay_jax import logs, paths, plots, validate
 from decay_jax import sharding as shd
 from decay_jax.cli import errors
 from decay_jax.data import latents as latents_lib
-from decay_jax.diffusion import dpm_solver, samplers
-from decay_jax.evals import generation, sampling
+from decay_jax.evals import sampling
 from decay_jax.train import checkpoint, digest, setup
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (config.json + checkpoints/).")
@@ -68,6 +69,9 @@ _CFG = flags.DEFINE_float("cfg", None, "Classifier-free guidance scale (1 = none
 _CFG_CHANNELS = flags.DEFINE_integer("cfg_channels", None, "Guide channels [:k] (0 = all).")
 _CFG_INTERVAL = flags.DEFINE_list("cfg_interval", None, "Guidance only for t in [lo, hi].")
 _LABELS = flags.DEFINE_enum("labels", "uniform", ["uniform", "cycle"], "Class labels.")
+_SAMPLER = flags.DEFINE_enum("sampler", "sample", ["sample", "eval"], "Defaults of the sampler "
+                             "flags: config.sample, or the reported evaluation's "
+                             "config.evals.generation (its sample section and batch_size).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of noise and labels.")
 _GRID = flags.DEFINE_integer("grid", 64, "Images in grid.png.")
 _OUT = flags.DEFINE_string("out", None, "Output directory.")
@@ -87,36 +91,22 @@ def sample_config(base, task_name: str = "sit"):
     if "cfg_interval" not in c:
       raise ValueError(f"--cfg_interval is not allowed for a {task_name} run")
     c.cfg_interval = tuple(float(v) for v in _CFG_INTERVAL.value)
-  if task_name == "uvit":
-    modes = dpm_solver.SAMPLERS
-  else:
-    modes = {"ode": samplers.ODE_METHODS, "sde": samplers.SDE_METHODS}
-  validate.check_choice("mode", c.mode, tuple(modes))
-  validate.check_choice("method", c.method.lower(), modes[c.mode])
-  if c.num_steps < 2:
-    raise ValueError(f"steps={c.num_steps} is not allowed; it must be >= 2")
+  sampling.check_sampler(c, task_name)
   return c
+
+
+def eval_section(config):
+  """``config.evals.generation`` of a run (``--sampler=eval``): the reported evaluation's
+  sampler and chunk size, so that ``--num=report_num`` draws the paper's row."""
+  if "generation" not in config.get("evals", {}):
+    raise ValueError("--sampler=eval is not allowed; the run's config has no "
+                     "evals.generation section (older runs: give the sampler flags)")
+  return config.evals.generation
 
 
 def load_vae(directory, config, model):
   """``(vae, params)`` of a converted VAE that fits the latents of the run (channels, scale)."""
-  if not config.data.dataset.startswith(latents_lib.PREFIX):
-    raise ValueError(f"vae={directory!r} is not allowed; the run trained on "
-                     f"{config.data.dataset!r}, not on latents")
-  if not paths.exists(paths.join(directory, "model.json")):
-    raise ValueError(f"vae={directory!r} is not allowed; it is not a converted VAE directory")
-  vae, params = checkpoint.load_params(directory, "vae")
-  channels = model.in_chans if hasattr(model, "in_chans") else model.in_channels
-  if type(vae).__name__ != "AutoencoderKL" or vae.latent_channels != channels:
-    raise ValueError(f"vae={directory!r} is not allowed; it is not a VAE with "
-                     f"{channels} latent channels")
-  meta = paths.join(latents_lib.path_of(config.data.dataset), "meta.json")
-  if paths.exists(meta):
-    scale = paths.read_json(meta).get("scale")
-    if scale is not None and abs(scale - vae.scaling_factor) > 1e-9:
-      raise ValueError(f"vae={directory!r} is not allowed; its scaling_factor "
-                       f"{vae.scaling_factor} differs from the latents' scale {scale}")
-  return vae, params
+  return sampling.load_vae(directory, config.data.dataset, model, checkpoint.load_params)
 
 
 def _weights_id(tree) -> str:
@@ -133,7 +123,7 @@ def chunk_size(mesh, default: int) -> int:
   per = mesh.size
   batch = _BATCH.value or _PER_DEVICE.value * per or default
   if batch % per:
-    rounded = max(per, (batch // per) * per)
+    rounded = sampling.round_chunk(batch, per)
     print(f"batch_size={batch} is not divisible by the {per} devices; using {rounded}")
     batch = rounded
   return batch
@@ -155,10 +145,11 @@ def main(argv):
     validate.check_int("grid", _GRID.value, 0)
     config = checkpoint.run_config(_WORKDIR.value, task=("sit", "uvit"))
     mesh = shd.make_mesh(-1, config.mesh.fsdp)  # every device of every process
-    batch = chunk_size(mesh, config.sample.batch_size)
+    section = eval_section(config) if _SAMPLER.value == "eval" else config.sample
+    batch = chunk_size(mesh, section.batch_size)
     # check_batch asks for a multiple of devices x accum_steps, a training notion
     info, model, mesh = setup.check_config(config, mesh=mesh, batch=batch * config.accum_steps)
-    scfg = sample_config(config.sample, config.task)
+    scfg = sample_config(section.sample if _SAMPLER.value == "eval" else section, config.task)
     params, step = checkpoint.restore_run_params(_WORKDIR.value, mesh, _STEP.value,
                                                  _WEIGHTS.value)
     vae, vae_params = load_vae(_VAE.value, config, model) if _VAE.value else (None, None)
@@ -173,7 +164,7 @@ def main(argv):
   conditional = getattr(model, "conditional", True)  # SiT: always class-conditional
   decode = None
   if vae is not None:
-    decode = lambda p, z: vae.apply({"params": p}, z / vae.scaling_factor, method=vae.decode)
+    decode = sampling.vae_decoder(vae)
     vae_params = jax.device_put(vae_params, shd.replicated(mesh))
   program = sampling.chunk_program(lambda p, x, y, k: task.sample(p, x, y, k, scfg), mesh,
                                    _SEED.value, batch, task.image_shape(), classes,
@@ -191,12 +182,8 @@ def main(argv):
     keys["images"] = (shapes["out"].shape[1:3] + (3,), "uint8")
   expect = sampling.expected(batch, keys)
 
-  def to_pixels(x):
-    if vae is not None or config.data.normalize == "half":
-      x = generation.to_uint8_official(x)
-    else:
-      x = plots.to_uint8(x, task.mean, task.std)
-    return np.repeat(x, 3, axis=-1) if x.shape[-1] == 1 else x
+  official = vae is not None or config.data.normalize == "half"
+  to_pixels = lambda x: sampling.to_pixels(x, official, task.mean, task.std)
 
   def make_chunk(i):
     out = program(params, vae_params, np.int32(i))

@@ -6,8 +6,9 @@
 Every config field can be overridden on the command line; the config is locked, so a misspelt
 field is an error. Rerunning the same command resumes from the newest checkpoint in ``--workdir``.
 On several hosts set ``DECAY_JAX_DISTRIBUTED=1`` (the launch/ scripts do) so that
-``jax.distributed.initialize()`` runs first. The representation evaluators of ``config.evals``
-(``decay_jax.evals.registry``) run during training.
+``jax.distributed.initialize()`` runs first. The evaluators of ``config.evals``
+(``decay_jax.evals.registry``: representation evaluators; for SiT and U-ViT the generation metrics
+of ``evals.generation`` when enabled) run during training; their inputs are checked first.
 
 The run holds ``--workdir`` (``workdir/lease.json``) before it writes anything there, so a second
 run on the same workdir stops at once. Every runtime failure ends in one line and an exit status of
@@ -48,6 +49,7 @@ def main(argv):
     failures.raise_on_sigterm()  # until the train loop: stop at once (nothing new to save)
   try:
     setup.check_config(_CONFIG.value)
+    registry.check_config(_CONFIG.value)  # the evaluators' inputs (reference batch, Inception)
   except ValueError as e:  # bad config: one line, no traceback, nothing compiled
     print(f"error: {e}", file=sys.stderr)
     return 2

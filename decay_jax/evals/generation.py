@@ -159,6 +159,14 @@ def subset(n: int, size: int, seed: int = 0) -> np.ndarray:
   return np.sort(np.random.default_rng(seed).choice(n, size, replace=False))
 
 
+def check_inception(model, directory: str, what: str = "inception"):
+  """One-line ``ValueError`` unless ``model`` (loaded from ``directory``) is the FID Inception."""
+  if not isinstance(model, inception_lib.FIDInceptionV3):
+    raise ValueError(f"{what}={directory!r} is not allowed; it holds a {type(model).__name__}, "
+                     "not the FID Inception (convert pt_inception-2015-12-05-6726825d.pth with "
+                     "decay_jax.cli.convert_external inception)")
+
+
 # ------------------------------------------------------------------------------------------------
 # Images
 # ------------------------------------------------------------------------------------------------
@@ -279,16 +287,25 @@ def describe(path: str, model=None, params=None, batch_size: int = 200, keep_ima
   the file holds statistics), ``n`` and, if ``keep_images``, a random subset ``images`` of at most
   that many images (``subset``)."""
   stats, has_images = read_batch(path) if str(path).endswith(".npz") else ({}, True)
-  side: Dict[str, np.ndarray] = dict(stats)
   if has_images and model is not None:
-    images = load_images(path)
-    acts = inception_activations(model, params, images, batch_size, what=what)
-    side.update(pool=acts["pool"], logits=acts["logits"], n=len(images))
-    for mu_key, feature in (("mu", "pool"), ("mu_s", "spatial")):
-      if mu_key not in side:
-        side[mu_key], side[STAT_KEYS[mu_key]] = statistics(acts[feature])
-    if keep_images:
-      side["images"] = images[subset(len(images), keep_images)]
+    return describe_images(load_images(path), model, params, batch_size, stats, keep_images, what)
+  return dict(stats)
+
+
+def describe_images(images: np.ndarray, model, params, batch_size: int = 200,
+                    stats: Optional[Dict[str, np.ndarray]] = None, keep_images: int = 0,
+                    what: str = "images") -> Dict[str, np.ndarray]:
+  """``describe`` of uint8 ``images (N, H, W, 3)`` in memory (the evaluator's samples): their
+  ``pool`` features, ``logits``, ``n``, the statistics of ``stats`` where given, else the images'
+  own, and with ``keep_images`` a random subset ``images``."""
+  side: Dict[str, np.ndarray] = dict(stats or {})
+  acts = inception_activations(model, params, images, batch_size, what=what)
+  side.update(pool=acts["pool"], logits=acts["logits"], n=len(images))
+  for mu_key, feature in (("mu", "pool"), ("mu_s", "spatial")):
+    if mu_key not in side:
+      side[mu_key], side[STAT_KEYS[mu_key]] = statistics(acts[feature])
+  if keep_images:
+    side["images"] = images[subset(len(images), keep_images)]
   return side
 
 

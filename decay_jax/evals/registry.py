@@ -9,6 +9,8 @@ never imports an evaluator class. MAE evaluators:
   ``layers``: KNN and a fast linear probe on every block.
   ``rank``: effective rank per block and branch ratios per sublayer (cheap; on by default).
 Fine-tuning evaluator: ``accuracy``, top-1/top-5 of the classifier on the evaluation split.
+SiT and U-ViT evaluator: ``generation``, the reported generation metrics of ``num_samples``
+samples (``evals.generation_eval``; off unless enabled); the trainer binds it to the run's task.
 
 An evaluator has ``every_steps`` (0 = only at the end of training), ``run(params) -> dict`` of
 scalars, ``evaluate(params) -> dict`` of JSON-able report sections and ``summary(scalars) -> str``,
@@ -20,29 +22,43 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Sequence
 
 from decay_jax import validate
-from decay_jax.evals import evaluators
+from decay_jax.evals import evaluators, generation_eval
 
 # config.evals section name -> evaluator class (the order of the report), per task.
 EVALUATORS = {"knn": evaluators.KnnEvaluator, "linear": evaluators.LinearEvaluator,
               "layers": evaluators.LayerwiseEvaluator, "rank": evaluators.RankEvaluator}
 FINETUNE_EVALUATORS = {"accuracy": evaluators.AccuracyEvaluator}
+GENERATION_EVALUATORS = {"generation": generation_eval.GenerationEvaluator}
+TABLES = {"mae": EVALUATORS, "finetune": FINETUNE_EVALUATORS, "sit": GENERATION_EVALUATORS,
+          "uvit": GENERATION_EVALUATORS}
+# config.evals section name -> its check of the whole config (fields and input paths, one line).
+CHECKS = {"generation": generation_eval.check_config}
+
+
+def check_config(config) -> None:
+  """One-line errors for the enabled evaluators' sections that need more than their own fields
+  (input files, the task, the EMA): before training starts, nothing loaded or compiled."""
+  for name, check in CHECKS.items():
+    if name in TABLES.get(config.task, {}) and name in config.get("evals", {}):
+      check(config)
 
 
 def build(config, model, mesh, names: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-  """The MAE evaluators of ``config.evals``: the enabled ones, or exactly ``names`` if given.
+  """The task's evaluators of ``config.evals``: the enabled ones, or exactly ``names`` if given.
 
   Raises:
     ValueError: a name that is not an evaluator, or one without a ``config.evals`` section.
   """
-  table = {"mae": EVALUATORS, "finetune": FINETUNE_EVALUATORS}.get(config.task)
+  table = TABLES.get(config.task)
   if table is None:
     if names:
-      raise validate.not_allowed("task", config.task, "the evaluators need task='mae' or "
-                                 "'finetune'")
+      raise validate.not_allowed("task", config.task, "the evaluators need task 'mae', "
+                                 "'finetune', 'sit' or 'uvit'")
     return {}
   for name in names or ():
     validate.check_choice("evals", name, tuple(table))
     if name not in config.evals:
       raise validate.not_allowed("evals", name, f"config.evals has no {name!r} section")
   wanted = names or [n for n in table if n in config.evals and config.evals[n].enabled]
+  check_config(config)
   return {name: table[name](config.evals[name], model, config.data, mesh) for name in wanted}

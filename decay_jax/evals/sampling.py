@@ -46,8 +46,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from decay_jax import paths
+from decay_jax import paths, plots, validate
 from decay_jax import sharding as shd
+from decay_jax.data import latents as latents_lib
+from decay_jax.diffusion import dpm_solver, samplers
 from decay_jax.evals import generation
 
 CHUNKS = "chunks"
@@ -124,6 +126,67 @@ def to_host(x) -> np.ndarray:
   if getattr(x, "is_fully_addressable", True):
     return np.asarray(jax.device_get(x))
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def sampler_modes(task_name: str) -> Dict[str, Tuple[str, ...]]:
+  """``{mode: methods}`` of a diffusion task's samplers (U-ViT: DPM-Solver and Euler; SiT: ODE
+  and SDE)."""
+  if task_name == "uvit":
+    return dpm_solver.SAMPLERS
+  return {"ode": samplers.ODE_METHODS, "sde": samplers.SDE_METHODS}
+
+
+def check_sampler(c, task_name: str, prefix: str = "") -> None:
+  """One-line errors for a sampler section ``c`` (``config.sample``'s fields); ``prefix`` names
+  its place in errors (``evals.generation.sample.``; empty: the sample command's flags)."""
+  modes = sampler_modes(task_name)
+  validate.check_choice(prefix + "mode", c.mode, tuple(modes))
+  validate.check_choice(prefix + "method", c.method.lower(), modes[c.mode])
+  if c.num_steps < 2:
+    raise ValueError(f"{prefix + 'num_steps' if prefix else 'steps'}={c.num_steps} is not "
+                     "allowed; it must be >= 2")
+
+
+def round_chunk(batch: int, devices: int) -> int:
+  """``batch`` rounded down to a multiple of ``devices`` (at least ``devices``): one chunk is
+  split over every device."""
+  return batch if batch % devices == 0 else max(devices, (batch // devices) * devices)
+
+
+def to_pixels(x, official: bool, mean=(0.0,), std=(1.0,)) -> np.ndarray:
+  """uint8 ``(N, H, W, 3)`` of samples ``x``: the official ``clip(127.5 x + 128)`` rounding
+  (``official``: decoded VAE output, or data normalised to [-1, 1]), else ``plots.to_uint8`` with
+  the data's ``mean`` and ``std``; one channel is repeated to three (what FID reads)."""
+  x = generation.to_uint8_official(x) if official else plots.to_uint8(np.asarray(x), mean, std)
+  return np.repeat(x, 3, axis=-1) if x.shape[-1] == 1 else x
+
+
+def vae_decoder(vae) -> Callable:
+  """``decode(vae_params, z)``: ``vae.decode(z / scaling_factor)``, the official FID sampler's."""
+  return lambda p, z: vae.apply({"params": p}, z / vae.scaling_factor, method=vae.decode)
+
+
+def load_vae(directory: str, dataset: str, model, load_params: Callable, what: str = "vae"):
+  """``(vae, params)`` of a converted VAE that fits the latents of the run (``data.dataset``
+  ``dataset``, the diffusion ``model``): channels and scale; ``load_params(directory, what) ->
+  (module, params)`` reads it (``train.checkpoint.load_params``)."""
+  if not dataset.startswith(latents_lib.PREFIX):
+    raise ValueError(f"{what}={directory!r} is not allowed; the run trained on {dataset!r}, not "
+                     "on latents")
+  if not paths.exists(paths.join(directory, "model.json")):
+    raise ValueError(f"{what}={directory!r} is not allowed; it is not a converted VAE directory")
+  vae, params = load_params(directory, "vae")
+  channels = model.in_chans if hasattr(model, "in_chans") else model.in_channels
+  if type(vae).__name__ != "AutoencoderKL" or vae.latent_channels != channels:
+    raise ValueError(f"{what}={directory!r} is not allowed; it is not a VAE with "
+                     f"{channels} latent channels")
+  meta = paths.join(latents_lib.path_of(dataset), "meta.json")
+  if paths.exists(meta):
+    scale = paths.read_json(meta).get("scale")
+    if scale is not None and abs(scale - vae.scaling_factor) > 1e-9:
+      raise ValueError(f"{what}={directory!r} is not allowed; its scaling_factor "
+                       f"{vae.scaling_factor} differs from the latents' scale {scale}")
+  return vae, params
 
 
 # ------------------------------------------------------------------------------------------------

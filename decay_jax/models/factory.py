@@ -82,10 +82,13 @@ def build_model(config, info: dict, pretrained=None):
   m = config.model.to_dict()
   preset = m.pop("preset")
   m["attention_impl"] = m["attention_impl"] or None
-  if pretrained is not None and pretrained.in_chans != info["channels"]:
+  # an MAE encoder (in_chans) or a SiT (in_channels)
+  chans = getattr(pretrained, "in_chans", None) or getattr(pretrained, "in_channels", None)
+  if pretrained is not None and chans != info["channels"]:
     raise validate.not_allowed("data.dataset", config.data.dataset,
-                               f"it has {info['channels']} channels; the pre-trained encoder "
-                               f"takes {pretrained.in_chans}")
+                               f"it has {info['channels']} channels; the pre-trained "
+                               f"{'encoder' if hasattr(pretrained, 'in_chans') else 'model'} "
+                               f"takes {chans}")
   try:
     residual, m = Residual.from_fields(m)
     return BUILDERS[config.task](config, info, preset, residual, m, pretrained)

@@ -60,6 +60,14 @@ def sit_forward_flops(m) -> float:
   return 2.0 * macs
 
 
+def sit_train_flops(m) -> float:
+  """Training FLOPs of one example through ``SiT`` ``m`` (forward + backward, 3x the forward),
+  with REPA's projectors (three Linears per target on every token) when ``m.repa_depth``."""
+  h = m.repa_hidden
+  proj = sum(m.grid ** 2 * (m.dim * h + h * h + h * d) for d in m.repa_dims) if m.repa_depth else 0
+  return 3.0 * (sit_forward_flops(m) + 2.0 * proj)
+
+
 def uvit_forward_flops(m) -> float:
   """Forward FLOPs of one example through ``UViT`` ``m``: ``2K + 1`` blocks on ``extras + N``
   tokens, the long-skip Linears (``[x ; s]`` of width 2D, or D for 'add'), patch embedding, the
@@ -105,7 +113,8 @@ def overhead(model) -> dict:
     shapes = jax.eval_shape(m.init, jax.random.key(0), x, jnp.zeros((1,)), jnp.zeros((1,), jnp.int32))
     return sum(int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(shapes["params"]))
 
-  plain = dataclasses.replace(model, residual_routing="plain", routing_decay="after")
+  plain = dataclasses.replace(model, residual_routing="plain", routing_decay="after",
+                              routing_gate=False)
   n, n0 = count(model), count(plain)
   f, f0 = 3 * sit_forward_flops(model), 3 * sit_forward_flops(plain)
   return {"residual_routing": model.residual_routing, "routing_decay": model.routing_decay,

@@ -40,6 +40,11 @@ earlier sublayers, and the final layer reads a routed sum of all ``2D + 1`` valu
 At initialisation (adaLN-Zero gates 0) ``v_i = 0`` so ``h_l = x_0 / l``; LayerNorm inside every
 sublayer and before the final layer hides this dilution (spec 5), so no correction is applied.
 
+**Gate** (``SiT.routing_gate``, docs/routing.md "Routing added to a pretrained SiT"): each routed
+sublayer mixes ``x~ = u_0 + g (R(U) - u_0)`` with a learned scalar ``g`` (``route_attn_gate``,
+``route_mlp_gate``), zero-initialised, so a routed SiT started from a trained plain SiT computes the
+plain SiT's function at step 0 (``models/routing_start.py``); ``g = 1`` is the ungated operator.
+
 **Decay** (``SiT.routing_decay``, spec 10; only matters when ``alpha_min < 1``). Sublayers that route
 nothing keep the decayed update ``alpha x + f(x)`` in every mode; routed sublayers use
   * ``after`` (A, default): ``x <- alpha x~ + f(x~)``. Decay stays what it is in the decayed SiT:
@@ -87,6 +92,7 @@ VARIANTS = ("none", "plain", "static_skip", "mirror", "fused_mirror", "fused_all
             "fused_last", "attnres")
 DECAY_MODES = ("after", "current", "encoder", "null")
 ROUTED = ("mirror", "fused_mirror", "fused_all", "fused_first", "fused_last", "attnres")
+GATED = ROUTED[:-1]  # the routed variants with a stream (attnres has none): routing_gate's
 RMS_EPS = 1e-6
 SUBLAYERS = ("attn", "mlp")
 
@@ -145,7 +151,9 @@ class RoutedSiTBlock(nn.Module):
   ``__call__(x, alpha, c, sources, nulls)``: ``x (N, T, d)`` float32 stream, ``alpha (2,)`` identity
   coefficients, ``c (N, d)``, ``sources`` a tuple of ``(N, T, d)``, ``nulls`` the two null logits or
   ``None``. ``routed``: ``x~ = R([x, *sources])`` before both sublayers (``route_attn``,
-  ``route_mlp``: ``(d,)`` each). ``skip``: U-ViT's ``x <- Linear([x; sources[0]])`` first.
+  ``route_mlp``: ``(d,)`` each; with ``gate``, ``x~ = x + g (R - x)`` with scalars
+  ``route_attn_gate``, ``route_mlp_gate`` starting at 0). ``skip``: U-ViT's
+  ``x <- Linear([x; sources[0]])`` first.
   ``attnres``: ``x`` is unused, ``sources`` are the values ``v_0..v_{l-1}``, and the block returns
   its two new values ``(v_attn, v_mlp)`` (spec 6.1); otherwise it returns the new stream
   ``(N, T, d)``. Each sublayer's update is ``residual.update``: ``x <- a x~ + s g f(x~)``, with
@@ -160,11 +168,17 @@ class RoutedSiTBlock(nn.Module):
   skip: bool = False
   attnres: bool = False
   decay: str = "after"
+  gate: bool = False
 
   def _route(self, i: int, cands, null):
     w = self.param(f"route_{SUBLAYERS[i]}", nn.initializers.zeros, (cands[0].shape[-1],),
                    jnp.float32)
     out, pi = route(w, cands, null)
+    if self.gate:  # x~ = u_0 + g (R(U) - u_0); the sown weights are the effective mix
+      g = self.param(f"route_{SUBLAYERS[i]}_gate", nn.initializers.zeros, (), jnp.float32)
+      u0 = cands[0].astype(jnp.float32)
+      out = u0 + g * (out - u0)
+      pi = (g * pi).at[0].add(1.0 - g)
     if self.is_mutable_collection("intermediates"):
       self.sow("intermediates", f"route_{SUBLAYERS[i]}", pi.mean(axis=-1).T)  # (N, |U|)
     return out
@@ -225,12 +239,14 @@ class RoutedTrunk(nn.Module):
   dtype: Dtype = jnp.float32
   attention_impl: Optional[str] = None
   remat_policy: str = "none"
+  gate: bool = False
 
   @nn.compact
   def __call__(self, x0, alpha, c):
     block = layers.remat(RoutedSiTBlock, self.remat_policy)
     common = dict(num_heads=self.num_heads, mlp_ratio=self.mlp_ratio, residual=self.residual,
-                  dtype=self.dtype, attention_impl=self.attention_impl, decay=self.decay)
+                  dtype=self.dtype, attention_impl=self.attention_impl, decay=self.decay,
+                  gate=self.gate)
     if self.variant == "attnres":
       values = [x0]
       for b in range(self.depth):
@@ -290,6 +306,10 @@ def check_fields(m) -> None:
   if m.residual_routing != "none" and res.drop_path:
     raise ValueError(f"drop_path={res.drop_path!r} is not allowed with residual_routing="
                      f"{m.residual_routing!r}; routed blocks have no stochastic depth (use 0)")
+  if m.routing_gate and m.residual_routing not in GATED:
+    raise ValueError(f"routing_gate=True is not allowed with residual_routing="
+                     f"{m.residual_routing!r}; it gates the routed stream of "
+                     f"{', '.join(GATED)}")
   if m.routing_decay == "null" and res.shortcut_form != "decay":
     raise ValueError(f"routing_decay='null' needs constant coefficients: shortcut_form='decay' "
                      f"(got {res.shortcut_form!r})")
@@ -302,8 +322,9 @@ def candidate_counts(variant: str, depth: int) -> List[int]:
   return [1 + len(s) for s in block_sources(variant, depth) if s is not None for _ in range(2)]
 
 
-def extra_params(variant: str, depth: int, dim: int) -> int:
-  """New parameters against the plain DiT (spec 7): 2Kd, 4Kd, K(2d^2 + d), 2Dd + d, K(d^2 + d)."""
+def extra_params(variant: str, depth: int, dim: int, gate: bool = False) -> int:
+  """New parameters against the plain DiT (spec 7): 2Kd, 4Kd, K(2d^2 + d), 2Dd + d, K(d^2 + d);
+  ``gate`` (``SiT.routing_gate``) adds one scalar per routed sublayer."""
   half = depth // 2
   if variant == "none":
     return half * (dim * dim + dim)
@@ -311,20 +332,21 @@ def extra_params(variant: str, depth: int, dim: int) -> int:
     return half * (2 * dim * dim + dim)
   if variant == "attnres":
     return 2 * depth * dim + dim
-  return len(candidate_counts(variant, depth)) * dim
+  return len(candidate_counts(variant, depth)) * (dim + int(gate))
 
 
 def long_range_macs(m) -> float:
   """Forward multiply-adds per example of the long-range connections of SiT ``m``: the skip
   Linears ('none': d^2, 'static_skip': 2 d^2 per token and decoder block) or the routing operators
   (2 |U| d per token and operator: the score dot products and the weighted sum; RMS and softmax are
-  norms, which ``decay_jax.models.flops`` does not count)."""
+  norms, which ``decay_jax.models.flops`` does not count; a gate adds ``d`` per token)."""
   t, d, half = m.grid ** 2, m.dim, m.depth // 2
   if m.residual_routing == "none":
     return half * t * d * d
   if m.residual_routing == "static_skip":
     return half * t * 2 * d * d
-  return sum(2 * n * t * d for n in candidate_counts(m.residual_routing, m.depth))
+  return sum((2 * n + int(m.routing_gate)) * t * d
+             for n in candidate_counts(m.residual_routing, m.depth))
 
 
 # ------------------------------------------------------------------------------------------------

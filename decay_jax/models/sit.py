@@ -12,13 +12,14 @@ Inputs: ``x (N, H, W, C)`` latents, ``t (N,)`` in [0, 1] (t = 0 noise, t = 1 dat
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from decay_jax import validate
 from decay_jax.models import fields, layers, routing
 from decay_jax.models import residual as residual_lib
 from decay_jax.models.blocks import SiTBlock, SiTInputs, modulate
@@ -57,7 +58,8 @@ class SiT(residual_lib.HasResidual, nn.Module):
   With ``learn_sigma`` the final Linear has ``2C`` outputs per pixel (the official parameter shape,
   so checkpoints convert 1:1) and only the first ``C`` are returned, as the official forward does.
   ``residual_routing`` other than 'none' replaces the blocks by ``routing.RoutedTrunk`` (mirror
-  routing and its variants; ``routing_decay`` says how they meet the decay), see models/routing.py.
+  routing and its variants; ``routing_decay`` says how they meet the decay; ``routing_gate`` gates
+  them for a start from a trained SiT, models/routing_start.py), see models/routing.py.
   With hyper-connections the blocks carry ``n`` streams, summed before the final norm; the long
   skips read a block's sum and add to every stream.
   """
@@ -77,8 +79,18 @@ class SiT(residual_lib.HasResidual, nn.Module):
   remat_policy: str = "none"
   residual_routing: str = "none"
   routing_decay: str = "after"
+  routing_gate: bool = False  # routing added to a trained SiT: x~ = x + g (R - x), g = 0 at init
+  # REPA (docs/repa.md): projectors of the tokens after block ``repa_depth`` (1-based; 0: none),
+  # one MLP per target width in ``repa_dims``; ``flow_convention='repa'``: the network sees REPA's
+  # time (t = 0 data) and predicts REPA's velocity (noise - data); the forward maps both to ours.
+  repa_depth: int = 0
+  repa_dims: Tuple[int, ...] = ()
+  repa_hidden: int = 2048
+  flow_convention: str = "sit"
 
   def __post_init__(self):
+    if isinstance(self.repa_dims, list):  # read back from JSON (model.json, config.json)
+      object.__setattr__(self, "repa_dims", tuple(self.repa_dims))
     fields.check_once(self, validate_sit_fields)
     super().__post_init__()
 
@@ -98,11 +110,15 @@ class SiT(residual_lib.HasResidual, nn.Module):
                                embedding_init=layers.normal(0.02))
     self.alpha = self.residual.coefficients(self, self.depth)  # (depth, 2)
     self.hyper = self.residual.hyper_weights(self, self.depth, self.dim)  # None, or (depth, 2, ..)
-    if self.residual_routing != "none":
+    if self.residual_routing == "plain" and self.repa_depth:
+      self.trunk = PlainTrunk(self.depth, self.num_heads, self.mlp_ratio, self.residual,
+                              self.dtype, self.attention_impl, self.remat_policy, self.repa_depth)
+    elif self.residual_routing != "none":
       self.trunk = routing.RoutedTrunk(
           depth=self.depth, num_heads=self.num_heads, mlp_ratio=self.mlp_ratio,
           variant=self.residual_routing, decay=self.routing_decay, residual=self.residual,
-          dtype=self.dtype, attention_impl=self.attention_impl, remat_policy=self.remat_policy)
+          dtype=self.dtype, attention_impl=self.attention_impl, remat_policy=self.remat_policy,
+          gate=self.routing_gate)
     else:
       common = dict(num_heads=self.num_heads, mlp_ratio=self.mlp_ratio,
                     residual=self.residual.at_depth(self.depth), dtype=self.dtype,
@@ -116,6 +132,8 @@ class SiT(residual_lib.HasResidual, nn.Module):
     self.norm_final = layers.layer_norm(affine=False)
     self.final_linear = nn.Dense(self.patch_size ** 2 * self.out_channels, dtype=self.dtype,
                                  kernel_init=layers.zeros, bias_init=layers.zeros)
+    if self.repa_depth:
+      self.projectors = [Projector(self.repa_hidden, d, self.dtype) for d in self.repa_dims]
 
   def pos_embed(self) -> np.ndarray:
     return layers.sincos_2d(self.dim, self.grid)
@@ -144,25 +162,102 @@ class SiT(residual_lib.HasResidual, nn.Module):
     rates = jnp.asarray(self.residual.drop_path_rates(self.depth))
     return SiTInputs(self.alpha[part], skips, rates[part], drop_u[part], hyper)
 
-  def __call__(self, x, t, y, train: bool = False, force_drop_ids=None, drop_u=None):
+  def __call__(self, x, t, y, train: bool = False, force_drop_ids=None, drop_u=None,
+               features: bool = False):
     """``drop_u (depth, N, 2)``: the uniform draws of stochastic depth (training with
-    ``residual.drop_path > 0``); without them no branch is dropped."""
+    ``residual.drop_path > 0``); without them no branch is dropped. ``features`` (REPA,
+    ``repa_depth > 0``): returns ``(out, [z_1, ..., z_k])``, ``z_i (N, T, repa_dims[i])`` the
+    projected tokens after block ``repa_depth``."""
     n, h, w, c = x.shape
+    if self.flow_convention == "repa":
+      t = 1.0 - t  # REPA's time: t = 0 data, t = 1 noise
     tokens = self.x_embedder(x).astype(jnp.float32) + self.pos_embed()[None]
     cond = (self.t_embedder(t).astype(jnp.float32)
             + self.embed_labels(y, train, force_drop_ids).astype(jnp.float32))
+    aligned = None  # the stream after block repa_depth
     if self.residual_routing != "none":
-      tokens = self.trunk(tokens, self.alpha, cond)
+      tokens, aligned = self.routed_trunk(tokens, cond)
     else:
       tokens = self.residual.expand(tokens)  # n streams with hyper-connections
       tokens, enc_outs = self.enc_blocks(tokens, self.block_inputs(0, drop_u), cond)
       tokens, _ = self.dec_blocks(tokens, self.block_inputs(1, drop_u, enc_outs[::-1]), cond)
       tokens = self.residual.reduce(tokens)
+      aligned = enc_outs[self.repa_depth - 1] if self.repa_depth else None
     shift, scale = jnp.split(self.final_adaLN(nn.silu(cond)).astype(jnp.float32), 2, axis=-1)
     out = self.final_linear(modulate(self.norm_final(tokens),
                                      shift, scale)).astype(jnp.float32)
-    out = layers.unpatchify(out, self.patch_size, h, w, self.out_channels)
-    return out[..., :c]
+    out = layers.unpatchify(out, self.patch_size, h, w, self.out_channels)[..., :c]
+    if self.flow_convention == "repa":
+      out = -out  # REPA's velocity is noise - data, ours data - noise
+    if self.repa_depth and (features or self.is_initializing()):
+      zs = [p(aligned) for p in self.projectors]
+      if features:
+        return out, zs
+    return out
+
+  def routed_trunk(self, tokens, cond):
+    """``(stream into the final layer, stream after block repa_depth or None)``. 'plain' with REPA
+    runs ``PlainTrunk``; other variants read block ``repa_depth`` of ``routing.RoutedTrunk`` with a
+    method interceptor (without remat: remat hides the block's outer call)."""
+    if not self.repa_depth:
+      return self.trunk(tokens, self.alpha, cond), None
+    if isinstance(self.trunk, PlainTrunk):
+      return self.trunk(tokens, self.alpha, cond)
+    b, half = self.repa_depth - 1, self.depth // 2
+    name = f"enc_{b:02d}" if b < half else f"dec_{b - half:02d}"
+    seen = []
+
+    def grab(call, args, kwargs, context):
+      out = call(*args, **kwargs)
+      if context.module.name == name and context.method_name in ("__call__", "<lambda>"):
+        seen.append(out)  # under remat the wrapper's call ('<lambda>') comes first: outer values
+      return out
+
+    with nn.intercept_methods(grab):
+      tokens = self.trunk(tokens, self.alpha, cond)
+    return tokens, seen[0]
+
+
+class PlainTrunk(nn.Module):
+  """``routing.RoutedTrunk`` of variant 'plain' (the same blocks, names and parameters, so runs
+  and checkpoints interchange) that also returns the stream after block ``capture`` (1-based):
+  ``(x, x_capture)``."""
+  depth: int
+  num_heads: int
+  mlp_ratio: float
+  residual: Residual
+  dtype: Dtype
+  attention_impl: Optional[str]
+  remat_policy: str
+  capture: int
+
+  @nn.compact
+  def __call__(self, x, alpha, c):
+    block = layers.remat(routing.RoutedSiTBlock, self.remat_policy)
+    half, kept = self.depth // 2, None
+    for b in range(self.depth):
+      name = f"enc_{b:02d}" if b < half else f"dec_{b - half:02d}"
+      x = block(num_heads=self.num_heads, mlp_ratio=self.mlp_ratio, residual=self.residual,
+                dtype=self.dtype, attention_impl=self.attention_impl, name=name)(x, alpha[b], c)
+      kept = x if b + 1 == self.capture else kept
+    return x, kept
+
+
+class Projector(nn.Module):
+  """REPA's ``build_mlp``: Linear(d, hidden), SiLU, Linear(hidden, hidden), SiLU, Linear(hidden,
+  out) (names ``fc0``, ``fc2``, ``fc4``: REPA's ``projectors.i.{0,2,4}``; xavier-uniform weights,
+  zero biases, as REPA's ``_basic_init``). Applied per token; float32 output."""
+  hidden: int
+  out: int
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    for i, width in enumerate((self.hidden, self.hidden, self.out)):
+      x = nn.Dense(width, dtype=self.dtype, kernel_init=layers.xavier_uniform,
+                   bias_init=layers.zeros, name=f"fc{2 * i}")(x)
+      x = nn.silu(x) if i < 2 else x
+    return x.astype(jnp.float32)
 
 
 def validate_sit_fields(m) -> None:
@@ -182,6 +277,33 @@ def validate_sit_fields(m) -> None:
   residual_lib.check_field(m)
   fields.check_execution(m)
   routing.check_fields(m)
+  check_repa_fields(m)
+
+
+def check_repa_fields(m) -> None:
+  """One-line errors for the REPA fields (``repa_depth``, ``repa_dims``, ``repa_hidden``,
+  ``flow_convention``)."""
+  validate.check_choice("flow_convention", m.flow_convention, FLOW_CONVENTIONS)
+  validate.check_int("repa_depth", m.repa_depth, 0, m.depth)
+  if not m.repa_depth:
+    return
+  validate.check_int("repa_hidden", m.repa_hidden)
+  if not m.repa_dims or not all(validate.is_int(d) and d > 0 for d in m.repa_dims):
+    raise validate.not_allowed("repa_dims", m.repa_dims, "it must be a non-empty tuple of "
+                               "positive ints (one target width per encoder)")
+  if m.residual_routing == "attnres":
+    raise validate.not_allowed("repa_depth", m.repa_depth, "residual_routing='attnres' has no "
+                               "block stream to align (use 'plain', REPA's SiT)")
+  if m.residual_routing not in ("none", "plain") and m.remat_policy != "none":
+    raise validate.not_allowed("remat_policy", m.remat_policy, f"with repa_depth and "
+                               f"residual_routing={m.residual_routing!r} it must be 'none' (or "
+                               "use residual_routing='plain', REPA's SiT)")
+  if m.residual_routing == "none" and m.repa_depth > m.depth // 2:
+    raise validate.not_allowed("repa_depth", m.repa_depth, f"with residual_routing='none' it "
+                               f"must be <= depth/2 = {m.depth // 2} (an encoder block)")
+
+
+FLOW_CONVENTIONS = ("sit", "repa")
 
 
 SIT_SIZES = {

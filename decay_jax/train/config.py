@@ -77,6 +77,22 @@ def representation_evals() -> mlc.ConfigDict:
   return evals
 
 
+def generation_eval(sample: mlc.ConfigDict, **sampler) -> mlc.ConfigDict:
+  """The reported generation evaluation (``decay_jax.evals.generation_eval``; docs/
+  generation_metrics.md "Periodic evaluation"), off in training unless ``enabled``: FID, sFID, IS,
+  precision, recall, density and coverage of ``num_samples`` EMA samples every ``every_steps``
+  against the reference batch ``ref``. ``sample`` has ``config.sample``'s sampler fields (not the
+  picture grid's ``grid_size``/``batch_size``) set to ``sampler``: the reported sampler, kept apart
+  from the monitoring grid's. ``report_num``: the paper's sample count (the full evaluation is
+  ``decay_jax.cli.sample`` + ``decay_jax.cli.fid`` with these settings)."""
+  fields = {k: v for k, v in sample.to_dict().items() if k not in ("grid_size", "batch_size")}
+  return mlc.ConfigDict(dict(
+      enabled=False, every_steps=50_000, num_samples=2000, report_num=50_000, seed=0,
+      weights="ema", ref="", inception="", vae="", batch_size=64, inception_batch_size=200,
+      is_split_size=5000, pr_k=3, dc_k=5,  # ADM's split and k; prdc's k
+      sample=dict(fields, **sampler)))
+
+
 def mae_config() -> mlc.ConfigDict:
   """MAE pretraining defaults: the official recipe (docs/official_code.md 2) at ViT-B/16."""
   c = _common("mae")
@@ -149,6 +165,15 @@ def sit_config() -> mlc.ConfigDict:
   # Structured residual routing (decay_jax/models/routing.py): 'none' is the official decayed SiT.
   c.model.residual_routing = "none"
   c.model.routing_decay = "after"
+  # REPA (docs/repa.md): projectors after block repa_depth (0: off), one per target width.
+  c.model.repa_depth = 0
+  c.model.repa_dims = ()
+  c.model.repa_hidden = 2048
+  c.model.flow_convention = "sit"  # 'repa': REPA's time and velocity inside the network
+  c.model.routing_gate = False  # True: routing added to a trained SiT starts function-preserving
+  # A SiT run or params directory to start from (docs/routing.md "Routing added to a pretrained
+  # SiT"); empty: random initialisation.
+  c.init_from = ""
   c.data.dataset = "imagenet2012"
   c.data.image_size = 32
   c.data.normalize = "none"
@@ -164,12 +189,23 @@ def sit_config() -> mlc.ConfigDict:
                                     loss_weight=mlc.FieldReference(None, field_type=str),
                                     train_eps=mlc.FieldReference(None, field_type=float),
                                     sample_eps=mlc.FieldReference(None, field_type=float)))
+  # REPA's alignment loss (decay_jax/train/tasks/sit.py; off while model.repa_depth is 0): the
+  # targets come in the batch ('repa_target_I') or from the frozen encoder at `encoder` (a params
+  # directory, model.json + params) on the uint8 pixels (a pixel stream's images, or the
+  # 'repa_pixels' a latent stream delivers).
+  # `encoder_normalize`: the data.normalize mode an MAE encoder was trained with (DINOv2 has REPA's).
+  c.repa = mlc.ConfigDict(dict(proj_coeff=0.5, encoder="", encoder_normalize="imagenet"))
   # Sampling: the monitoring grid during training and the defaults of decay_jax.cli.sample. The
   # official in-training samples use ODE dopri5 with CFG 4.0; the official FID sampler CFG 1.0.
   c.sample = mlc.ConfigDict(dict(mode="ode", method="heun", num_steps=50, atol=1e-6, rtol=1e-3,
                                  cfg_scale=4.0, cfg_channels=3, cfg_interval=(0.0, 1.0),
                                  diffusion_form="sigma", diffusion_norm=1.0, last_step="Mean",
                                  last_step_size=0.04, grid_size=16, batch_size=64))
+  # The reported FID-50K: SiT's FID sampler (SDE Euler-Maruyama, 250 steps, "Mean" last step;
+  # no guidance as the 400K-step rows; its 2.06 adds cfg_scale 1.5) on EMA weights against ADM's
+  # VIRTUAL_imagenet256_labeled.npz. The decay paper's own sampler is not public.
+  c.evals.generation = generation_eval(c.sample, mode="sde", method="euler", num_steps=250,
+                                       cfg_scale=1.0)
   c.picture_every_steps = 10_000
   c.checkpoint.every_steps = 5000
   c.checkpoint.keep_every_steps = 50_000
@@ -209,6 +245,11 @@ def uvit_config() -> mlc.ConfigDict:
   c.evals = representation_evals()
   c.sample = mlc.ConfigDict(dict(mode="dpm", method="fast", num_steps=50, cfg_scale=0.0,
                                  grid_size=16, batch_size=64))
+  # U-ViT's FID: DPM-Solver-fast, 50 model calls, unguided, EMA; its train.py evaluates 10,000
+  # such samples at every checkpoint save, the paper's rows 50,000 (docs/uvit.md 6).
+  c.evals.generation = generation_eval(c.sample, mode="dpm", method="fast", num_steps=50,
+                                       cfg_scale=0.0)
+  c.evals.generation.num_samples = 10_000
   c.picture_every_steps = 10_000
   c.checkpoint.every_steps = 5000
   c.checkpoint.keep_every_steps = 50_000

@@ -5,6 +5,12 @@ The trainer receives the evaluators as a function ``(config, model, mesh) -> {na
 classes. An evaluator needs ``every_steps`` (0 = only at the end of training) and
 ``run(params) -> {name: float}``; ``summary(scalars) -> str`` (one short console line) is used when
 it has one. The full dictionaries go to TensorBoard and metrics.jsonl, not to the console.
+
+Two more, optional: ``weights = 'ema'`` asks for the EMA parameters (when the run keeps them)
+instead of the trained ones, and ``bind(task, load_params)`` receives what only the training side
+has (``evals`` never imports ``train``): the run's task object (its sampler) and
+``checkpoint.load_params`` (to read converted weights such as the FID Inception). The generation
+evaluator (``decay_jax.evals.generation_eval``) uses both.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import jax.numpy as jnp
 
 from decay_jax import logs
 from decay_jax.data import pipeline
+from decay_jax.train import checkpoint
 
 MakeEvaluators = Callable[[Any, Any, Any], Dict[str, Any]]
 
@@ -42,20 +49,28 @@ class Evaluators:
   def due(self, step: int, last: bool) -> bool:
     return any(self._due(e, step, last) for e in self.evaluators.values())
 
-  def run(self, params, step: int, last: bool) -> Dict[str, float]:
+  def run(self, params, step: int, last: bool, ema=None) -> Dict[str, float]:
+    """The scalars of the evaluators due at ``step``; those with ``weights = 'ema'`` get
+    ``ema`` (when the run keeps one), the others ``params``."""
     out = {}
     for name, e in self.evaluators.items():
       if self._due(e, step, last):
-        res = e.run(params)
+        use_ema = ema is not None and getattr(e, "weights", "params") == "ema"
+        res = e.run(ema if use_ema else params)
         line = e.summary(res) if hasattr(e, "summary") else f"{name}: {compact(res)}"
         logging.info("eval at step %d: %s", step, line)
         out.update(res)
     return out
 
 
-def make(config, model, mesh, make_evaluators: Optional[MakeEvaluators]) -> Evaluators:
-  """The run's evaluators (none without ``make_evaluators``) and its picture batch."""
+def make(config, model, mesh, make_evaluators: Optional[MakeEvaluators], task=None
+         ) -> Evaluators:
+  """The run's evaluators (none without ``make_evaluators``), bound to ``task`` where they ask
+  for it (``bind``), and its picture batch."""
   evaluators = make_evaluators(config, model, mesh) if make_evaluators is not None else {}
+  for e in evaluators.values():
+    if hasattr(e, "bind"):
+      e.bind(task, checkpoint.load_params)
   pictures = None
   if config.picture_every_steps:
     split = config.evals.knn.eval_split if "knn" in config.evals else config.data.eval_split

@@ -1,9 +1,11 @@
-"""The pre-trained MAE a fine-tuning run starts from (``config.init_from``).
+"""The pre-trained model a run starts from (``config.init_from``): an MAE for fine-tuning, a SiT
+for a SiT run (the same SiT continued, or routing added to a plain one: docs/routing.md).
 
-Either a pre-training workdir of ``decay_jax.cli.train`` (its latest checkpoint's parameters, the model
-rebuilt from its ``config.json``) or a params directory (``model.json`` + ``params``, as written by
-``decay_jax.cli.convert mae`` from an official checkpoint or by ``save_params``). The decay schedule
-comes with the model's fields; it is never a default.
+Either a training workdir of ``decay_jax.cli.train`` (its latest checkpoint's trained weights,
+``params``, as a resumed run would continue, never its EMA; the model rebuilt from its
+``config.json``) or a params directory (``model.json`` + ``params``, as written by
+``decay_jax.cli.convert`` from an official checkpoint, e.g. REPA's EMA weights, or by
+``save_params``). The decay schedule comes with the model's fields; it is never a default.
 """
 
 from __future__ import annotations
@@ -13,25 +15,32 @@ from typing import Any, Tuple
 from decay_jax import paths
 from decay_jax.models import factory
 from decay_jax.models import mae as mae_lib
+from decay_jax.models import sit as sit_lib
 from decay_jax.train import checkpoint as ckpt_lib
 
+# Per task that starts from a pre-trained model: the class it starts from and the patch embedding
+# whose kernel gives the input channels.
+SOURCES = {"mae": (mae_lib.MaskedAutoencoder, "patch_embed"), "sit": (sit_lib.SiT, "x_embedder")}
 
-def load(init_from: str, mesh) -> Tuple[mae_lib.MaskedAutoencoder, Any]:
-  """``(MAE model, its parameters)`` of ``init_from``; one-line errors for anything else."""
+
+def load(init_from: str, mesh, task: str = "mae") -> Tuple[Any, Any]:
+  """``(model, its parameters)`` of ``init_from`` for a run starting from a ``task`` model (the keys
+  of ``SOURCES``); one-line errors for anything else."""
+  cls, embed = SOURCES[task]
   root = paths.resolve(init_from)
   if (root / "model.json").exists():
     model, params = ckpt_lib.load_params(init_from, "init_from")
   elif (root / "config.json").exists():
-    run_cfg = ckpt_lib.run_config(init_from, task="mae")
+    run_cfg = ckpt_lib.run_config(init_from, task=task)
     params, _ = ckpt_lib.restore_run_params(init_from, mesh)
-    channels = int(params["patch_embed"]["proj"]["kernel"].shape[2])
+    channels = int(params[embed]["proj"]["kernel"].shape[2])
     model = factory.build_model(run_cfg, {"image_size": run_cfg.data.image_size,
                                           "channels": channels})
   else:
     raise ckpt_lib.CheckpointError(
         f"init_from={init_from!r} is not allowed; it is neither a pre-training workdir "
         "(config.json and checkpoints/) nor a params directory (model.json and params/)")
-  if not isinstance(model, mae_lib.MaskedAutoencoder):
+  if not isinstance(model, cls):
     raise ValueError(f"init_from={init_from!r} is not allowed; it holds a {type(model).__name__}, "
-                     "fine-tuning starts from a MaskedAutoencoder")
+                     f"a {task} run starts from a {cls.__name__}")
   return model, params

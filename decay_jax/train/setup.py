@@ -75,14 +75,17 @@ def abstract_batch(task, batch: int, mesh, image_dtype=jnp.uint8) -> Dict[str, j
   """The trainer's input batch, abstract and split over the mesh.
 
   Returns:
-    ``{'image': (B, H, W, C) image_dtype, 'label': (B,) int32}`` with ``sharding.batch_sharding``,
+    ``{'image': (B, H, W, C) image_dtype, 'label': (B,) int32}`` and the task's
+    ``batch_extras`` (REPA's stored targets) with ``sharding.batch_sharding``,
     ``(H, W, C)`` the task's ``image_shape()`` (``image_dtype``: the stream's,
     ``on_device.stream_dtype``: uint8 pixels, float32 latents).
   """
   s = shd.batch_sharding(mesh)
+  extras = {k: jax.ShapeDtypeStruct((batch,) + tuple(shape), dtype, sharding=s)
+            for k, (shape, dtype) in task.batch_extras().items()}
   return {"image": jax.ShapeDtypeStruct((batch,) + tuple(task.image_shape()), image_dtype,
                                         sharding=s),
-          "label": jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=s)}
+          "label": jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=s), **extras}
 
 
 def with_shardings(abstract, shardings):
@@ -145,8 +148,12 @@ class TrainSetup:
   def init_state(self) -> Dict[str, Any]:
     """The train state at step 0, born sharded (``jit`` with the state's out shardings)."""
     task, tx, seed, ema = self.task, self.tx, self.config.seed, self.use_ema
-    return jax.jit(lambda: step_lib.init_state(task, tx, seed, ema),
-                   out_shardings=self.shardings)()
+    frozen = task.frozen_params()
+    state = jax.jit(lambda: step_lib.init_state(task, tx, seed, ema, frozen),
+                    out_shardings=self.shardings)()
+    if frozen is not None:  # the frozen network's weights: step arguments, not constants
+      state["frozen"] = jax.device_put(frozen, self.shardings["frozen"])
+    return state
 
   def abstract_batch(self) -> Dict[str, jax.ShapeDtypeStruct]:
     return abstract_batch(self.task, self.batch_size, self.mesh,

@@ -1,10 +1,12 @@
 """The jitted training step and the sharded creation of the train state.
 
 Train state (a plain dict, checkpointed as is): ``params``, ``opt_state``, ``step`` (int32),
-``rng`` (raw key data) and, when an EMA decay is set, ``ema`` (the exponential moving average of
-the parameters, an exact copy at step 0, then ``ema <- d * ema + (1 - d) * params`` after every
-optimiser step, as the official SiT ``update_ema``). The RNG of step ``s`` is ``fold_in(rng, s)``, so a resumed run draws the
-same masks and noise as an uninterrupted one. Gradient accumulation runs inside the step as a
+``rng`` (raw key data), ``frozen`` when the task reads a frozen network (``Task.frozen_params``,
+REPA's encoder: passed to ``prepare`` in the batch, never updated) and, when an EMA decay is set,
+``ema`` (the exponential moving average of the parameters, an exact copy at step 0, then
+``ema <- d * ema + (1 - d) * params`` after every optimiser step, as the official SiT
+``update_ema``). The RNG of step ``s`` is ``fold_in(rng, s)``, so a resumed run draws the same
+masks and noise as an uninterrupted one. Gradient accumulation runs inside the step as a
 ``lax.scan`` over microbatches: one call consumes the whole effective batch, and memory holds the
 activations of one microbatch only.
 """
@@ -24,16 +26,21 @@ from decay_jax.data import on_device
 
 def abstract_state(task, tx, seed: int, ema: bool = False):
   """Shapes and dtypes of the train state, without allocating it."""
-  return jax.eval_shape(lambda: init_state(task, tx, seed, ema))
+  frozen = task.frozen_params()  # read here, outside the trace
+  return jax.eval_shape(lambda: init_state(task, tx, seed, ema, frozen))
 
 
-def init_state(task, tx, seed: int, ema: bool = False) -> Dict[str, Any]:
+def init_state(task, tx, seed: int, ema: bool = False, frozen=None) -> Dict[str, Any]:
+  """The state at step 0; ``frozen`` (``task.frozen_params()``, read outside any trace) enters
+  as zeros of its shapes: ``setup.TrainSetup.init_state`` puts the weights in afterwards."""
   rng = jax.random.key(seed)
   params = task.model.init(jax.random.fold_in(rng, 0), *task.init_inputs(1))["params"]
   state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
            "rng": jax.random.key_data(jax.random.fold_in(rng, 1))}
   if ema:
     state["ema"] = jax.tree_util.tree_map(jnp.copy, params)
+  if frozen is not None:
+    state["frozen"] = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), frozen)
   return state
 
 
@@ -46,7 +53,15 @@ def state_shardings(abstract, tx, mesh):
   out = {"params": params, "opt_state": opt, "step": repl, "rng": repl}
   if "ema" in abstract:
     out["ema"] = params
+  if "frozen" in abstract:
+    out["frozen"] = shd.param_shardings(abstract["frozen"], mesh)
   return out
+
+
+def copy_params(params, shardings):
+  """A copy of ``params`` in new buffers placed by ``shardings`` (the state is donated leaf by leaf,
+  so the EMA never shares a buffer with the parameters)."""
+  return jax.jit(lambda p: jax.tree_util.tree_map(jnp.copy, p), out_shardings=shardings)(params)
 
 
 def ema_update(ema, params, decay: float):
@@ -79,7 +94,11 @@ def make_train_step(task, tx, schedule: Callable, accum_steps: int = 1, ema_deca
     rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
     # The input arrives as uint8 pixels (a quarter of float32's bytes over the host-to-device
     # link, no per-pixel work on the host); the step makes them the model's float input.
+    if task.keeps_pixels and "repa_pixels" not in batch and batch["image"].dtype == jnp.uint8:
+      batch = dict(batch, repa_pixels=batch["image"])  # the frozen encoder's own preprocessing
     batch = on_device.batch_to_model(batch, task.mean, task.std)
+    if "frozen" in state:  # a frozen network's weights (REPA's encoder), for the task's prepare
+      batch = dict(batch, frozen=state["frozen"])
     # Every random number of the step, drawn for the whole batch: microbatch i then holds the
     # examples (and draws) it would hold in one big batch.
     batch = task.prepare(batch, rng)
@@ -109,6 +128,8 @@ def make_train_step(task, tx, schedule: Callable, accum_steps: int = 1, ema_deca
                    "rng": state["rng"]}
       if "ema" in state:
         new_state["ema"] = ema_update(state["ema"], new_params, ema_decay)
+      if "frozen" in state:
+        new_state["frozen"] = state["frozen"]
     return new_state, jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), metrics)
 
   return step

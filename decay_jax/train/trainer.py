@@ -114,7 +114,7 @@ def train_and_evaluate(config, workdir: str,
   s = setup.build(config, pretrained_model=start_from[0] if start_from else None)
   model, task, mesh = s.model, s.task, s.mesh
   total_steps, warmup_steps = s.total_steps, s.warmup_steps
-  evaluators = evaluation.make(config, model, mesh, evaluators)
+  evaluators = evaluation.make(config, model, mesh, evaluators, task)
   workdir = str(paths.resolve(workdir))  # local: absolute; gs://...: unchanged
   is_main = jax.process_index() == 0
   if is_main:
@@ -158,6 +158,8 @@ def train_and_evaluate(config, workdir: str,
     if start_from is not None:
       state["params"] = jax.device_put(task.start_params(state["params"], start_from),
                                        s.shardings["params"])
+      if use_ema:  # the EMA starts as a copy of the started parameters, as from a random init
+        state["ema"] = step_lib.copy_params(state["params"], s.shardings["ema"])
 
   # ---------------------------------------------------------------------------------------------
   # Input and the compiled step.
@@ -169,7 +171,7 @@ def train_and_evaluate(config, workdir: str,
                                    process_count=jax.process_count(), state=data_state, mesh=mesh),
       lambda local: shd.global_batch_from_local(local, mesh), DEVICE_PREFETCH)
   if start:
-    logging.info("input stream at step %d: %s", start, "restored from the checkpoint's Grain state"
+    logging.info("input stream at step %d: %s", start, "restored from the checkpoint's input state"
                  if batches.restored else "started at that step (the same batches)")
   t0 = time.perf_counter()
   first = next(batches)
@@ -235,7 +237,7 @@ def train_and_evaluate(config, workdir: str,
                                  "loss": results["loss"]}, data=batches.get_state())
       if evaluators.due(step, last):
         with report.timed("eval"):
-          ev = evaluators.run(state["params"], step, last)
+          ev = evaluators.run(state["params"], step, last, state["ema"] if use_ema else None)
         writer.write_scalars(step, ev)
         results.update(ev)
         evaluated = last
@@ -248,7 +250,7 @@ def train_and_evaluate(config, workdir: str,
         with jax.profiler.TraceAnnotation("input"):  # the host's share, named in a profile
           batch = next(batches)
     if start >= total_steps and not evaluated:  # resumed a finished run: report its evaluations
-      ev = evaluators.run(state["params"], step, True)
+      ev = evaluators.run(state["params"], step, True, state["ema"] if use_ema else None)
       writer.write_scalars(step, ev)
       results.update(ev)
   finally:

@@ -15,8 +15,10 @@ its name) for:
   * ``make_optimizer(config, total_steps, warmup_steps) -> (tx, schedule)``;
   * class-level: ``from_config(config, model, info)``, ``check_config(config)`` (one-line errors
     for the task's own config sections), ``load_start(config, mesh)`` and ``start_params`` (the
-    pre-trained weights a run starts from), ``final_results(workdir)``, ``standin_channels`` (input
-    channels when the dataset is not read, for lowering and memory reports) and ``samples`` (whether
+    pre-trained weights a run starts from), ``frozen_params()`` (a frozen network's weights the
+    step reads, e.g. REPA's encoder: the state's ``frozen``), ``batch_extras()`` (inputs besides
+    image and label), ``final_results(workdir)``, ``standin_channels`` (input channels when the
+    dataset is not read, for lowering and memory reports) and ``samples`` (whether
     ``decay_jax.cli.sample`` and the sampler export take this task).
 Batches are dicts: ``image (N, H, W, C)`` and ``label (N,)`` int32; the train step turns uint8
 images into the model's float input with the task's ``mean``/``std`` before ``prepare``
@@ -43,6 +45,7 @@ class Task:
   picture_name = "picture"
   standin_channels = 3  # RGB images
   samples = False  # only SiT has the sample command and the sampler export
+  keeps_pixels = False  # the step hands prepare the uint8 pixels too (repa_pixels)
 
   def __init__(self, model, mean=(0.0,), std=(1.0,)):
     self.model = model
@@ -76,6 +79,16 @@ class Task:
     """The first step's parameters from freshly initialised ``params`` and ``load_start``'s pair."""
     del start
     return params
+
+  def frozen_params(self) -> Any:
+    """Weights of a frozen network the step reads (REPA's target encoder): the train state's
+    ``frozen`` entry, never optimised or averaged; None (the default) for no such entry."""
+    return None
+
+  def batch_extras(self) -> Dict[str, Tuple[Tuple[int, ...], Any]]:
+    """Inputs the stream delivers besides ``image`` and ``label``: ``{key: (shape of one
+    example, dtype)}`` (none by default; REPA's stored targets for SiT)."""
+    return {}
 
   def image_shape(self) -> Tuple[int, int, int]:
     m = self.model

@@ -7,12 +7,15 @@ from typing import Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from decay_jax import plots
 from decay_jax.diffusion import samplers
 from decay_jax.diffusion import transport as transport_lib
-from decay_jax.models import flops, routing
+from decay_jax.models import flops, routing, routing_start
 from decay_jax.models import sit as sit_lib
+from decay_jax.train import pretrained
+from decay_jax.train import repa as repa_lib
 from decay_jax.train.tasks import base
 
 
@@ -22,7 +25,8 @@ class SiTTask(base.Task):
   Default (official) transport: linear path ``x_t = t x_1 + (1 - t) x_0`` with ``x_0 ~ N(0, I)``
   noise and ``x_1`` data, ``t ~ U[0, 1]``, velocity target ``x_1 - x_0``; labels are dropped to the
   null class with probability ``class_dropout_prob`` (classifier-free guidance training).
-  Metrics include the loss per quarter of the time interval.
+  Metrics include the loss per quarter of the time interval. With ``model.repa_depth`` (REPA,
+  docs/repa.md) the loss is ``loss_v + repa.proj_coeff * loss_proj`` (``train.repa``), both logged.
   """
   name = "sit"
   picture_needs_batch = False  # samples from fixed noise
@@ -30,16 +34,49 @@ class SiTTask(base.Task):
   standin_channels = 4  # SiT trains on VAE latents when its dataset is not in memory
   samples = True
 
-  def __init__(self, model: sit_lib.SiT, transport_cfg=None, sample_cfg=None, mean=(0.0,),
-               std=(1.0,)):
+  def __init__(self, model: sit_lib.SiT, transport_cfg=None, sample_cfg=None, repa_cfg=None,
+               mean=(0.0,), std=(1.0,)):
     super().__init__(model, mean, std)
     self.transport = transport_lib.Transport(**dict(transport_cfg or {}))
     self.sample_cfg = sample_cfg
     self._sample_fn = None
+    self.proj_coeff = float(repa_cfg.proj_coeff) if repa_cfg is not None else 0.5
+    self.encoder_dir = repa_cfg.encoder if repa_cfg is not None and model.repa_depth else ""
+    self.encoder_normalize = repa_cfg.encoder_normalize if self.encoder_dir else "imagenet"
+    self._encoder = None  # (Encoder, host params), read at the first need
 
   @classmethod
   def sections(cls, config):
-    return (config.transport.to_dict(), config.sample)
+    return (config.transport.to_dict(), config.sample, config.get("repa"))
+
+  @classmethod
+  def check_config(cls, config) -> None:
+    repa_lib.check_config(config)
+
+  def encoder(self):
+    """``(Encoder, params)`` of ``repa.encoder``, or ``(None, None)`` (targets in the batch)."""
+    if not self.encoder_dir:
+      return None, None
+    if self._encoder is None:
+      self._encoder = repa_lib.load_encoder(self.encoder_dir, self.encoder_normalize)
+    return self._encoder
+
+  @property
+  def keeps_pixels(self) -> bool:
+    """The on-the-fly REPA encoder preprocesses the uint8 pixels itself."""
+    return bool(self.encoder_dir)
+
+  def frozen_params(self):
+    """The REPA encoder's weights (the train state's ``frozen``), or None."""
+    return self.encoder()[1]
+
+  def batch_extras(self):
+    """REPA without an encoder: the stored targets ``repa_target_I (T, D_I)`` float32."""
+    m = self.model
+    if not m.repa_depth or self.encoder_dir:
+      return {}
+    return {repa_lib.TARGET.format(i): ((m.grid ** 2, d), jnp.float32)
+            for i, d in enumerate(m.repa_dims)}
 
   def init_inputs(self, batch: int):
     return (jnp.zeros((batch,) + self.image_shape(), jnp.float32),
@@ -59,6 +96,13 @@ class SiTTask(base.Task):
     """Adds the times ``t (N,)``, the noise ``x0`` (like the image), the classifier-free
     guidance label drops ``drop (N,)`` int32 (1: replaced by the null class) and, with
     ``residual.drop_path``, the drop-path draws (``with_drop_draws``)."""
+    batch = dict(batch)
+    frozen = batch.pop("frozen", None)  # the train state's frozen encoder (step.make_train_step)
+    if self.model.repa_depth:  # REPA: the targets join the batch, split with it into microbatches
+      found = repa_lib.targets(batch, len(self.model.repa_dims), self.encoder()[0], frozen)
+      repa_lib.check_targets(found, self.model.grid ** 2, self.model.repa_dims)
+      batch.pop(repa_lib.PIXELS, None)
+      batch.update({repa_lib.TARGET.format(i): y for i, y in enumerate(found)})
     x1 = batch["image"]
     k_t, k_noise, k_drop = jax.random.split(rng, 3)
     drop = jax.random.uniform(k_drop, x1.shape[:1]) < self.model.class_dropout_prob
@@ -69,11 +113,26 @@ class SiTTask(base.Task):
   def loss(self, params, batch):
     x1, y, t = batch["image"], batch["label"], batch["t"]
     drop_u = base.drop_draws(batch)
+    if self.model.repa_depth:
+      return self.repa_loss(params, batch, drop_u)
     model_fn = lambda x, tt, y: self.model.apply({"params": params}, x, tt, y, train=True,
                                                  force_drop_ids=batch["drop"], drop_u=drop_u)
     per_example = self.transport.loss(model_fn, x1, batch["x0"], t, y=y)
     loss = per_example.mean()
     return loss, dict(base.loss_by_time(per_example, t), loss=loss)
+
+  def repa_loss(self, params, batch, drop_u):
+    """REPA: ``loss_v + proj_coeff * loss_proj`` on the prepared batch's targets."""
+    x1, t = batch["image"], batch["t"]
+    _, x_t, _ = self.transport.plan(x1, batch["x0"], t)
+    out, zs = self.model.apply({"params": params}, x_t, t, batch["label"], train=True,
+                               force_drop_ids=batch["drop"], drop_u=drop_u, features=True)
+    per_example = self.transport.loss_from_output(out, x1, batch["x0"], t)
+    targets = [batch[repa_lib.TARGET.format(i)] for i in range(len(zs))]
+    loss_v, loss_proj = per_example.mean(), repa_lib.proj_loss_per_example(zs, targets).mean()
+    loss = loss_v + self.proj_coeff * loss_proj
+    return loss, dict(base.loss_by_time(per_example, t), loss=loss, loss_v=loss_v,
+                      loss_proj=loss_proj)
 
   def sample(self, params, noise, labels, rng, cfg=None):
     """Images from noise ``(N, H, W, C)`` and labels ``(N,)`` with the sampler of ``cfg``
@@ -111,7 +170,24 @@ class SiTTask(base.Task):
     return picture
 
   def train_flops_per_example(self) -> float:
-    return 3.0 * flops.sit_forward_flops(self.model)
+    return flops.sit_train_flops(self.model)
+
+  @classmethod
+  def load_start(cls, config, mesh):
+    """The pre-trained SiT of ``config.init_from`` (``train.pretrained``: a SiT run's trained
+    weights, or a params directory such as a converted REPA checkpoint), if one is set."""
+    return pretrained.load(config.init_from, mesh, "sit") if config.get("init_from") else None
+
+  def start_params(self, params, start):
+    """``load_start``'s parameters in this model (``models.routing_start``): copied for the same
+    SiT, or a plain SiT's with routing added (new routing parameters at zero)."""
+    if start is None:
+      return params
+    source, source_params = start
+    params = routing_start.start_from(source_params, source, self.model)
+    logging.info("initialised from the pre-trained SiT: %s", routing_start.describe(source,
+                                                                                   self.model))
+    return params
 
 
 def routing_picture(model, params, transport, images, labels, rng,
