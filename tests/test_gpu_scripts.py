@@ -1,8 +1,8 @@
 """The GPU scripts in their CPU check mode (``BENCH_PLATFORM=cpu``): every command they run on a GPU
 runs here on tiny models, writes the files the docs promise and the table reads them back.
 
-launch/gpu_bench.sh: the two headline cases and the three XLA-flag cases (the flags must parse
-in the pinned jaxlib). launch/gpu_study.sh: three arms trained at once, each evaluated, one report.
+launch/gpu_bench.sh: the two headline cases and one case with every flag of the XLA-flag cases
+(the flags must parse in the pinned jaxlib). launch/gpu_study.sh: three arms trained at once, each evaluated, one report.
 """
 
 import json
@@ -29,29 +29,27 @@ def bench_out(tmp_path_factory):
   return out, p.stdout
 
 
-def test_gpu_bench_cpu_check_times_five_cases_and_tabulates_them(bench_out):
+def test_gpu_bench_cpu_check_times_three_cases_and_tabulates_them(bench_out):
   out, stdout = bench_out
   rows = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
-  assert [r["config"] for r in rows] == ["sit_xl2.py", "mae_vit_l16.py"] + ["sit_xl2.py"] * 3
+  assert [r["config"] for r in rows] == ["sit_xl2.py", "mae_vit_l16.py", "sit_xl2.py"]
   for r in rows:
     assert r["preset"] == "micro/4" and r["dtype"] == "bfloat16" and r["attention"] == "xla"
     assert r["repeats"] == 1 and r["steps"] == 2 and r["global_batch"] == 2
     assert 0 < r["step_seconds_min"] <= r["step_seconds"] < 60
     assert r["images_per_sec"] == pytest.approx(2 / r["step_seconds"], rel=0.01)
     assert r["model_gflops_per_example"] > 0 and r["compile_seconds"] > 0
-  assert [r["remat"] for r in rows] == ["dots", "none", "dots", "dots", "dots"]
+  assert [r["remat"] for r in rows] == ["dots", "none", "dots"]
   assert rows[0]["xla_flags"] == "" and rows[1]["xla_flags"] == ""
-  assert rows[2]["xla_flags"] == "--xla_gpu_cudnn_gemm_fusion_level=2"
-  assert rows[3]["xla_flags"] == "--xla_gpu_enable_triton_gemm=false"
-  assert "--xla_gpu_enable_latency_hiding_scheduler=true" in rows[4]["xla_flags"]
-  assert "--xla_gpu_enable_triton_gemm=false" in rows[4]["xla_flags"]
+  for flag in ("--xla_gpu_cudnn_gemm_fusion_level=2", "--xla_gpu_enable_triton_gemm=false",
+               "--xla_gpu_enable_latency_hiding_scheduler=true",
+               "--xla_gpu_enable_command_buffer="):
+    assert flag in rows[2]["xla_flags"].split()
   table = (out / "bench.md").read_text()
   assert table == stdout[stdout.index("1 x cpu"):]
   body = [line for line in table.splitlines() if line.startswith("| ")]
-  assert len(body) == 1 + 5  # header + one row per case
-  assert "| default |" in body[1] and "mae_vit_l16.py" in body[2]
-  assert "| cudnn_gemm_fusion_level=2 |" in body[3] and "| enable_triton_gemm=false |" in body[4]
-  assert "| MaxText |" in body[5]
+  assert len(body) == 1 + 3  # header + one row per case
+  assert "| default |" in body[1] and "mae_vit_l16.py" in body[2] and "| MaxText |" in body[3]
   assert all(line.endswith(" |") and "n/a" in line for line in body[1:])  # CPU: no peak, no MFU
 
 

@@ -220,9 +220,12 @@ def test_gpu_bench_dry_run_runs_the_headline_cases_then_the_a_b_cases():
   assert sit_maxtext.startswith("XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true")
   assert any("mae_vit_l16.py" in line and "attention_impl=xla" in line for line in lines[7:])
   assert {"--batch_per_device=32", "--batch_per_device=128"} <= set(p.stdout.split())
-  # The CPU check of the script: the two headline cases and the three flag cases, tiny, XLA.
+  # The CPU check of the script: the two headline cases and one with every flag, tiny, XLA.
   p = run(["bash", "launch/gpu_bench.sh", "/tmp/out"], DRY_RUN="1", BENCH_PLATFORM="cpu")
-  assert p.returncode == 0 and p.stdout.count("--config.model.preset=micro/4") == 5
+  assert p.returncode == 0 and p.stdout.count("--config.model.preset=micro/4") == 3
+  flags = p.stdout.strip().splitlines()[2].split(" .venv")[0]
+  assert all(f in flags for f in ("cudnn_gemm_fusion_level=2", "enable_triton_gemm=false",
+                                  "latency_hiding_scheduler=true"))
   assert "cudnn" not in p.stdout.replace("cudnn_gemm_fusion_level", "")
   p = run(["bash", "launch/gpu_bench.sh", "/tmp/out"], BENCH_PLATFORM="tpu")
   assert p.returncode == 2 and "BENCH_PLATFORM=tpu is not allowed" in p.stderr

@@ -2,8 +2,9 @@
 ``jax.distributed.initialize`` (gloo CPU collectives), run the real MAE and SiT trainers with
 per-host input shards and write one orbax checkpoint together; one process with 8 devices then
 restores it and continues. Losses and parameters must equal a single-process 8-device run.
-An MAE run on an image folder of PNG digits (each host reading its shard through Grain workers)
-is also resumed by the two processes themselves, each restoring its own saved input state.
+The MAE run reads an image folder of PNG digits (each host its shard, through Grain workers) with
+its parameters split over both hosts; a copy of its checkpoint is also resumed by the two
+processes themselves, each restoring its own saved input state.
 
 The same file is the worker: ``python tests/test_multiprocess.py --worker PID PORT ROOT``.
 """
@@ -34,19 +35,18 @@ def digit_folder(root: str) -> str:
 
 
 def configs(root: str):
-  """Tiny MAE (data 1 x fsdp 8: sharded parameters span both hosts, so the step, the picture and
-  the checkpoint writes need cross-process collectives), SiT (data 8, with an EMA) and MAE on an
-  image folder read by two Grain worker processes per host."""
+  """Tiny MAE on an image folder read by two Grain worker processes per host, data 1 x fsdp 8
+  (sharded parameters span both hosts, so the step, the picture and the checkpoint writes need
+  cross-process collectives), and SiT (data 8, with an EMA)."""
   from test_sit_train import tiny_sit_config
   from test_train import tiny_config
   common = {"num_train_steps": TOTAL, "checkpoint.every_steps": 100,
             "checkpoint.async_save": True}
   folder = {"data.dataset": "imagefolder:" + digit_folder(root), "data.num_workers": 2,
             "data.num_threads": 1}
-  return {"mae": tiny_config(**common, **{"mesh.data": 1, "mesh.fsdp": 8,
-                                          "picture_every_steps": STOP}),
-          "sit": tiny_sit_config(**common, **{"mesh.data": -1}),
-          "folder": tiny_config(**common, **folder, **{"mesh.data": -1})}
+  return {"mae": tiny_config(**common, **folder, **{"mesh.data": 1, "mesh.fsdp": 8,
+                                                    "picture_every_steps": STOP}),
+          "sit": tiny_sit_config(**common, **{"mesh.data": -1})}
 
 
 def train(name, workdir, root, stop=None):
@@ -72,18 +72,18 @@ def worker(pid: int, port: int, root: str) -> None:
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
                              initialization_timeout=120)
   assert jax.process_count() == 2 and jax.device_count() == 2 * LOCAL_DEVICES
-  for name in ("mae", "sit", "folder"):
+  for name in ("mae", "sit"):
     t0 = time.monotonic()
     res = train(name, os.path.join(root, "two_process", name), root, stop=STOP)
     assert res["preempted"] and res["step"] == STOP, res
     print(f"process {pid}: {name} {STOP} steps in {time.monotonic() - t0:.1f} s "
           f"(compile {res['compile_seconds']:.1f} s)", flush=True)
-  # The folder run, copied at STOP, is resumed by both processes (each restores its own stream).
+  # The MAE run, copied at STOP, is resumed by both processes (each restores its own stream).
   if pid == 0:
-    shutil.copytree(os.path.join(root, "two_process", "folder"),
-                    os.path.join(root, "two_process", "folder_at_stop"))
+    shutil.copytree(os.path.join(root, "two_process", "mae"),
+                    os.path.join(root, "two_process", "mae_at_stop"))
   multihost_utils.sync_global_devices("copied")
-  res = train("folder", os.path.join(root, "two_process", "folder"), root)
+  res = train("mae", os.path.join(root, "two_process", "mae"), root)
   assert not res["preempted"] and res["step"] == TOTAL, res
   jax.distributed.shutdown()
 
@@ -161,8 +161,8 @@ def runs(tmp_path_factory):
   out = {"seconds": run_two_processes(root)}
   for name, config in configs(root).items():
     two, one = (os.path.join(root, k, name) for k in ("two_process", "one_process"))
-    if name == "folder":  # resumed to TOTAL by the two processes already
-      two = os.path.join(root, "two_process", "folder_at_stop")
+    if name == "mae":  # resumed to TOTAL by the two processes already
+      two = os.path.join(root, "two_process", "mae_at_stop")
     at_stop = restore_params(two, config)  # written by two processes, restored onto 8 devices
     losses_at_stop = logged_losses(two)
     res = train(name, two, root)
@@ -171,14 +171,14 @@ def runs(tmp_path_factory):
     out[name] = dict(two=two, at_stop=at_stop, losses_at_stop=losses_at_stop,
                      final={k: restore_params(d, config) for k, d in (("two", two), ("one", one))},
                      losses={k: logged_losses(d) for k, d in (("two", two), ("one", one))})
-  folder_two = os.path.join(root, "two_process", "folder")
-  out["folder_two_hosts"] = dict(final=restore_params(folder_two, configs(root)["folder"]),
-                                 losses=logged_losses(folder_two), workdir=folder_two,
-                                 at_stop=os.path.join(root, "two_process", "folder_at_stop"))
+  mae_two = os.path.join(root, "two_process", "mae")
+  out["mae_two_hosts"] = dict(final=restore_params(mae_two, configs(root)["mae"]),
+                              losses=logged_losses(mae_two), workdir=mae_two,
+                              at_stop=os.path.join(root, "two_process", "mae_at_stop"))
   return out
 
 
-@pytest.mark.parametrize("name", ["mae", "sit", "folder"])
+@pytest.mark.parametrize("name", ["mae", "sit"])
 def test_two_processes_train_and_checkpoint_like_one(runs, name):
   r = runs[name]
   two, one = r["losses_at_stop"], r["losses"]["one"]
@@ -191,7 +191,7 @@ def test_two_processes_train_and_checkpoint_like_one(runs, name):
     assert os.path.exists(os.path.join(r["two"], "pictures", f"step_{STOP:07d}.png"))
 
 
-@pytest.mark.parametrize("name", ["mae", "sit", "folder"])
+@pytest.mark.parametrize("name", ["mae", "sit"])
 def test_two_process_checkpoint_continues_in_one_process(runs, name):
   r = runs[name]
   two, one = r["losses"]["two"], r["losses"]["one"]
@@ -214,9 +214,9 @@ def test_two_process_checkpoint_continues_in_one_process(runs, name):
 
 
 def test_each_host_saves_and_restores_its_own_input_state(runs):
-  """The folder run's checkpoint holds one Grain state per process (its own shard of the batch,
+  """The MAE run's checkpoint holds one Grain state per process (its own shard of the batch,
   next step STOP); resumed by both processes, each restored it and the run equals one process."""
-  data = os.path.join(runs["folder_two_hosts"]["at_stop"], "checkpoints", str(STOP), "data")
+  data = os.path.join(runs["mae_two_hosts"]["at_stop"], "checkpoints", str(STOP), "data")
   for p in range(2):
     with open(os.path.join(data, f"process_{p}-of-2.json")) as f:
       state = json.load(f)
@@ -224,13 +224,13 @@ def test_each_host_saves_and_restores_its_own_input_state(runs):
     assert state["layout"] == {"global_batch": 16, "process_index": p, "process_count": 2,
                                "start_step": 0}
     assert isinstance(state["grain"], dict) and state["grain"]
-  r = runs["folder_two_hosts"]
-  one = runs["folder"]["losses"]["one"]
+  r = runs["mae_two_hosts"]
+  one = runs["mae"]["losses"]["one"]
   assert sorted(r["losses"]) == list(range(1, TOTAL + 1))
   np.testing.assert_allclose([r["losses"][s] for s in sorted(one)],
                              [one[s] for s in sorted(one)], rtol=LOSS_RTOL)
-  (s2, _), (s1, _) = r["final"], runs["folder"]["final"]["one"]
+  (s2, _), (s1, _) = r["final"], runs["mae"]["final"]["one"]
   for k in ("params", "opt_state"):
     chex.assert_trees_all_close(s2[k], s1[k], atol=PARAM_ATOL, rtol=PARAM_RTOL)
   log = open(os.path.join(os.path.dirname(os.path.dirname(r["workdir"])), "worker1.log")).read()
-  assert "restored from the checkpoint's Grain state" in log
+  assert "restored from the checkpoint's input state" in log
