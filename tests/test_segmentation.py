@@ -82,6 +82,19 @@ def _np_evaluate(preds, targets, n_preds, n_classes):  # eval.py evaluate, brute
   return float(np.mean(jac)), jac, match
 
 
+def test_sparse_and_dense_eigensolvers_agree(monkeypatch):
+  """Above DENSE_MAX patches the reference's shift-invert eigsh runs, below it the dense solver of
+  the same pencil: the same eigenvalues and eigenvectors (up to sign)."""
+  feats = np.random.default_rng(0).normal(size=(300, 16)) + 0.3  # mostly positive affinities
+  dense = spectral.laplacian_eigs(feats, 5)
+  monkeypatch.setattr(spectral, "DENSE_MAX", 100)
+  sparse = spectral.laplacian_eigs(feats, 5)
+  np.testing.assert_allclose(sparse[0], dense[0], atol=1e-8)
+  assert abs(dense[0][0]) < 1e-8  # the constant vector of the Laplacian
+  for a, b in zip(sparse[1][1:], dense[1][1:]):  # eigenvectors up to sign (the sign rule ties)
+    assert min(np.abs(a - b).max(), np.abs(a + b).max()) < 1e-6
+
+
 def test_matching_and_pooled_iou_match_numpy():
   rng = np.random.default_rng(5)
   masks = rng.integers(0, 3, size=(4, 6, 6)).astype(np.uint8)

@@ -8,7 +8,8 @@ named in brackets); docs/segmentation.md lists every choice and where ours diffe
                      the image at patch resolution; ``D = diag(W 1)`` (sums below 1e-12 set to 1);
                      the ``K`` eigenvectors of ``(D - W) v = mu D v`` nearest 0 by
                      ``eigsh(D - W, k=K, sigma=0, which='LM', M=D)`` (``which='SM'`` if that
-                     fails); every eigenvector whose share of positive entries lies in (0.5, 1)
+                     fails; up to ``DENSE_MAX`` patches, or where that fails, the dense
+                     ``scipy.linalg.eigh`` of the same pencil); every eigenvector whose share of positive entries lies in (0.5, 1)
                      is negated (``extract.py: _extract_eig``).
 ``knn_affinity``     the colour affinity: for (r, g, b, 2.0 x, 2.0 y) 20 nearest neighbours and for
                      (r, g, b, 0.1 x, 0.1 y) 10, symmetric 0/1 entries summed
@@ -42,6 +43,7 @@ KNN_NEIGHBOURS = (20, 10)  # extract_utils.knn_affinity defaults
 KNN_DISTANCE_WEIGHTS = (2.0, 0.1)
 MINIBATCH_SIZE = 4096  # extract_bbox_clusters
 MINIBATCH_MAX_ITER = 5000
+DENSE_MAX = 1024  # patches per image solved by the dense generalised eigensolver (laplacian_eigs)
 
 
 def l2_normalise(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
@@ -86,7 +88,11 @@ def laplacian_eigs(feats: np.ndarray, k: int, image_lr: Optional[np.ndarray] = N
   lap = np.diag(d) - w
   k = min(k, w.shape[0] - 1)
   values = None
-  if connected_components(scipy.sparse.csr_matrix(w > 0), directed=False)[0] == 1:
+  # Up to DENSE_MAX patches the dense solver gives the same eigenpairs exactly and at once: the
+  # reference's sparse shift-invert at sigma = 0 factorises the singular D - W, which LAPACK
+  # reports on stderr (DLASCL) for many images before the fallback below solves it densely anyway.
+  if w.shape[0] > DENSE_MAX and connected_components(scipy.sparse.csr_matrix(w > 0),
+                                                     directed=False)[0] == 1:
     try:
       with warnings.catch_warnings():  # L is singular by construction (the constant vector)
         warnings.simplefilter("ignore", scipy.linalg.LinAlgWarning)
