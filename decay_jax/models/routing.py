@@ -227,8 +227,9 @@ class RoutedTrunk(nn.Module):
 
   ``__call__(x0, alpha, c)``: ``x0 (N, T, d)`` embedded tokens, ``alpha (depth, 2)`` (the model's
   ``residual.coefficients``), ``c (N, d)``; returns the stream ``(N, T, d)`` that enters the final
-  layer. ``residual`` is the blocks' update; its constant schedule ``residual.shortcuts(depth)``
-  also gives decay mode 'null' its logit priors.
+  layer, or with ``capture > 0`` (REPA's aligned block, 1-based; not 'attnres') the pair of it and
+  the stream after block ``capture``. ``residual`` is the blocks' update; its constant schedule
+  ``residual.shortcuts(depth)`` also gives decay mode 'null' its logit priors.
   """
   depth: int
   num_heads: int
@@ -240,6 +241,7 @@ class RoutedTrunk(nn.Module):
   attention_impl: Optional[str] = None
   remat_policy: str = "none"
   gate: bool = False
+  capture: int = 0
 
   @nn.compact
   def __call__(self, x0, alpha, c):
@@ -260,7 +262,7 @@ class RoutedTrunk(nn.Module):
     half = self.depth // 2
     plan = block_sources(self.variant, self.depth)
     alphas = self.residual.shortcuts(self.depth).alphas  # float64 (depth, 2), for 'null' priors
-    xs, x = [x0], x0
+    xs, x, captured = [x0], x0, None
     for b, srcs in enumerate(plan):
       dec = b >= half
       # (C) frees the identities of routing decoder blocks only; the others keep alpha x + f(x).
@@ -274,9 +276,10 @@ class RoutedTrunk(nn.Module):
                  else (xs[mirror_source(b - half + 1, half)],) if skip else ())
       name = f"enc_{b:02d}" if not dec else f"dec_{b - half:02d}"
       x = block(**common, routed=srcs is not None, skip=skip, name=name)(x, a, c, sources, nulls)
+      captured = x if b + 1 == self.capture else captured
       if not dec:
         xs.append(x)
-    return x
+    return (x, captured) if self.capture else x
 
 
 # ------------------------------------------------------------------------------------------------

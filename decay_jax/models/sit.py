@@ -110,15 +110,12 @@ class SiT(residual_lib.HasResidual, nn.Module):
                                embedding_init=layers.normal(0.02))
     self.alpha = self.residual.coefficients(self, self.depth)  # (depth, 2)
     self.hyper = self.residual.hyper_weights(self, self.depth, self.dim)  # None, or (depth, 2, ..)
-    if self.residual_routing == "plain" and self.repa_depth:
-      self.trunk = PlainTrunk(self.depth, self.num_heads, self.mlp_ratio, self.residual,
-                              self.dtype, self.attention_impl, self.remat_policy, self.repa_depth)
-    elif self.residual_routing != "none":
+    if self.residual_routing != "none":
       self.trunk = routing.RoutedTrunk(
           depth=self.depth, num_heads=self.num_heads, mlp_ratio=self.mlp_ratio,
           variant=self.residual_routing, decay=self.routing_decay, residual=self.residual,
           dtype=self.dtype, attention_impl=self.attention_impl, remat_policy=self.remat_policy,
-          gate=self.routing_gate)
+          gate=self.routing_gate, capture=self.repa_depth)
     else:
       common = dict(num_heads=self.num_heads, mlp_ratio=self.mlp_ratio,
                     residual=self.residual.at_depth(self.depth), dtype=self.dtype,
@@ -176,7 +173,9 @@ class SiT(residual_lib.HasResidual, nn.Module):
             + self.embed_labels(y, train, force_drop_ids).astype(jnp.float32))
     aligned = None  # the stream after block repa_depth
     if self.residual_routing != "none":
-      tokens, aligned = self.routed_trunk(tokens, cond)
+      tokens = self.trunk(tokens, self.alpha, cond)
+      if self.repa_depth:
+        tokens, aligned = tokens
     else:
       tokens = self.residual.expand(tokens)  # n streams with hyper-connections
       tokens, enc_outs = self.enc_blocks(tokens, self.block_inputs(0, drop_u), cond)
@@ -194,53 +193,6 @@ class SiT(residual_lib.HasResidual, nn.Module):
       if features:
         return out, zs
     return out
-
-  def routed_trunk(self, tokens, cond):
-    """``(stream into the final layer, stream after block repa_depth or None)``. 'plain' with REPA
-    runs ``PlainTrunk``; other variants read block ``repa_depth`` of ``routing.RoutedTrunk`` with a
-    method interceptor (without remat: remat hides the block's outer call)."""
-    if not self.repa_depth:
-      return self.trunk(tokens, self.alpha, cond), None
-    if isinstance(self.trunk, PlainTrunk):
-      return self.trunk(tokens, self.alpha, cond)
-    b, half = self.repa_depth - 1, self.depth // 2
-    name = f"enc_{b:02d}" if b < half else f"dec_{b - half:02d}"
-    seen = []
-
-    def grab(call, args, kwargs, context):
-      out = call(*args, **kwargs)
-      if context.module.name == name and context.method_name in ("__call__", "<lambda>"):
-        seen.append(out)  # under remat the wrapper's call ('<lambda>') comes first: outer values
-      return out
-
-    with nn.intercept_methods(grab):
-      tokens = self.trunk(tokens, self.alpha, cond)
-    return tokens, seen[0]
-
-
-class PlainTrunk(nn.Module):
-  """``routing.RoutedTrunk`` of variant 'plain' (the same blocks, names and parameters, so runs
-  and checkpoints interchange) that also returns the stream after block ``capture`` (1-based):
-  ``(x, x_capture)``."""
-  depth: int
-  num_heads: int
-  mlp_ratio: float
-  residual: Residual
-  dtype: Dtype
-  attention_impl: Optional[str]
-  remat_policy: str
-  capture: int
-
-  @nn.compact
-  def __call__(self, x, alpha, c):
-    block = layers.remat(routing.RoutedSiTBlock, self.remat_policy)
-    half, kept = self.depth // 2, None
-    for b in range(self.depth):
-      name = f"enc_{b:02d}" if b < half else f"dec_{b - half:02d}"
-      x = block(num_heads=self.num_heads, mlp_ratio=self.mlp_ratio, residual=self.residual,
-                dtype=self.dtype, attention_impl=self.attention_impl, name=name)(x, alpha[b], c)
-      kept = x if b + 1 == self.capture else kept
-    return x, kept
 
 
 class Projector(nn.Module):
@@ -294,10 +246,6 @@ def check_repa_fields(m) -> None:
   if m.residual_routing == "attnres":
     raise validate.not_allowed("repa_depth", m.repa_depth, "residual_routing='attnres' has no "
                                "block stream to align (use 'plain', REPA's SiT)")
-  if m.residual_routing not in ("none", "plain") and m.remat_policy != "none":
-    raise validate.not_allowed("remat_policy", m.remat_policy, f"with repa_depth and "
-                               f"residual_routing={m.residual_routing!r} it must be 'none' (or "
-                               "use residual_routing='plain', REPA's SiT)")
   if m.residual_routing == "none" and m.repa_depth > m.depth // 2:
     raise validate.not_allowed("repa_depth", m.repa_depth, f"with residual_routing='none' it "
                                f"must be <= depth/2 = {m.depth // 2} (an encoder block)")
