@@ -24,6 +24,7 @@ from decay_jax.cli import fid
 from decay_jax.data import pipeline
 from decay_jax.evals import generation as gen
 from decay_jax.cli import extract_latents as ex
+from decay_jax.data import augment
 from decay_jax.evals import registry
 from decay_jax.train import trainer
 from testing_configs import REPO, load_config, override
@@ -58,8 +59,14 @@ def test_center_crop_is_adm():
   im = Image.fromarray(np.random.default_rng(1).integers(0, 255, (100, 150, 3), np.uint8))
   # short side 100 >= 2 * 32: one BOX halving to 75x50, BICUBIC to 48x32, crop columns 8..40
   want = np.asarray(im.resize((75, 50), Image.BOX).resize((48, 32), Image.BICUBIC))[:, 8:40]
-  np.testing.assert_array_equal(ex.center_crop_arr(im, 32), want)
-  assert ex.center_crop_arr(im, 64).shape == (64, 64, 3)
+  np.testing.assert_array_equal(augment.center_crop_arr(im, 32), want)
+  assert augment.center_crop_arr(im, 64).shape == (64, 64, 3)
+  # data.eval_resize='adm' is the same crop of a uint8 array (what a reference from a dataset
+  # split gets: decay_jax.cli.fid --samples=dataset:NAME), grey images per plane.
+  np.testing.assert_array_equal(augment.eval_resize_one(np.asarray(im), 32, "adm"), want)
+  grey = np.asarray(im)[..., :1]
+  np.testing.assert_array_equal(augment.eval_resize_one(grey, 32, "adm")[..., 0],
+                                augment.center_crop_arr(Image.fromarray(grey[..., 0]), 32))
 
 
 def test_extraction_round_trip_and_resume(folder, tmp_path, capsys):

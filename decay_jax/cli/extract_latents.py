@@ -39,6 +39,7 @@ import numpy as np
 from PIL import Image
 
 from decay_jax import logs, paths, validate
+from decay_jax.data import augment
 from decay_jax.data import latents as latents_lib
 from decay_jax.evals.generation import IMAGE_EXTENSIONS, list_images, Progress
 from decay_jax.train import checkpoint
@@ -46,22 +47,9 @@ from decay_jax.train import checkpoint
 META_KEYS = ("image_size", "scale", "shard_size", "num_images", "seed", "split", "latent_shape")
 
 
-def center_crop_arr(pil_image: Image.Image, image_size: int) -> np.ndarray:
-  """ADM's ``center_crop_arr`` (guided-diffusion / SiT ``train.py``): uint8 ``(S, S, 3)``."""
-  while min(*pil_image.size) >= 2 * image_size:
-    pil_image = pil_image.resize(tuple(x // 2 for x in pil_image.size), resample=Image.BOX)
-  scale = image_size / min(*pil_image.size)
-  pil_image = pil_image.resize(tuple(round(x * scale) for x in pil_image.size),
-                               resample=Image.BICUBIC)
-  arr = np.array(pil_image)
-  crop_y = (arr.shape[0] - image_size) // 2
-  crop_x = (arr.shape[1] - image_size) // 2
-  return arr[crop_y:crop_y + image_size, crop_x:crop_x + image_size]
-
-
 def load_cropped(path: str, image_size: int) -> np.ndarray:
   with Image.open(io.BytesIO(paths.resolve(path).read_bytes())) as im:
-    return center_crop_arr(im.convert("RGB"), image_size)
+    return augment.center_crop_arr(im.convert("RGB"), image_size)
 
 
 def list_labelled_images(directory: str) -> Tuple[List[str], np.ndarray, List[str]]:

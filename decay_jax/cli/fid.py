@@ -3,11 +3,16 @@
     python -m decay_jax.cli.fid --samples=samples.npz --ref=VIRTUAL_imagenet256_labeled.npz \\
         --inception=/data/fid_inception
     python -m decay_jax.cli.fid --samples=/data/image_folder --inception=DIR --save_stats=ref.npz
+    python -m decay_jax.cli.fid --samples=dataset:imagenet2012 --split=train --image_size=256 \\
+        --data_dir=$TFDS --max_images=50000 --inception=DIR --save_stats=ref.npz
 
 ``--samples`` and ``--ref``: an ``.npz`` in ADM's layout (``arr_0`` uint8 ``(N, H, W, 3)`` images,
 what ``decay_jax.cli.sample`` and ADM write, and/or the statistics ``mu``/``sigma``,
 ``mu_s``/``sigma_s`` of ADM's reference batches; pytorch-fid's ``--save-stats`` files hold
-``mu``/``sigma``), or a folder of images. As ADM's evaluator: FID and sFID use a file's own
+``mu``/``sigma``), a folder of images, or ``dataset:NAME``: the first ``--max_images`` images of
+split ``--split`` (default ``train``, as ADM's reference batches) of ``data.dataset=NAME`` (any
+image source; ``--data_dir`` for TFDS) centre-cropped to ``--image_size`` as ADM crops
+(``data.eval_resize='adm'``), grey images repeated to RGB. As ADM's evaluator: FID and sFID use a file's own
 statistics where it has them, else its images'; precision/recall (ADM's k = 3) and density/coverage
 (prdc's k = 5) use the pool features of the images of both sides. ``--inception``: the FID
 Inception converted from pytorch-fid's ``pt_inception-2015-12-05-6726825d.pth`` with
@@ -28,10 +33,17 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
+import numpy as np
+
 from decay_jax import logs, paths, validate
+from decay_jax.data import config as data_config
+from decay_jax.data import pipeline
 from decay_jax.evals import generation as gen
 from decay_jax.evals import manifold
 from decay_jax.train import checkpoint
+
+
+DATASET = "dataset:"
 
 
 def _needs_images(path: Optional[str]) -> bool:
@@ -39,8 +51,31 @@ def _needs_images(path: Optional[str]) -> bool:
   return bool(path) and not (path.endswith(".npz") and gen.read_batch(path)[0].get("mu") is not None)
 
 
-def _has_images(path: Optional[str]) -> bool:
-  return bool(path) and (not path.endswith(".npz") or gen.read_batch(path)[1])
+def dataset_images(spec: str, split: str, image_size: Optional[int], data_dir: Optional[str],
+                   max_images: int) -> np.ndarray:
+  """uint8 ``(N, S, S, 3)``: the first ``max_images`` (0: all) images of ``split`` of
+  ``dataset:NAME``, ADM's centre crop to ``image_size``, grey repeated to three channels."""
+  name = spec[len(DATASET):]
+  if not name:
+    raise ValueError(f"{spec!r} is not allowed; write dataset:NAME with a data.dataset name, "
+                     "e.g. dataset:embedded_mnist or dataset:imagenet2012")
+  if not image_size:
+    raise ValueError(f"--image_size is required with {spec!r} (the side of ADM's centre crop)")
+  validate.check_int("image_size", image_size, 1)
+  cfg = data_config.default_data_config()
+  cfg.update(dataset=name, image_size=image_size, eval_resize="adm", data_dir=data_dir,
+             max_eval_examples=max_images or None)
+  images = pipeline.load_eval_arrays(cfg, split)["image"]
+  if images.dtype != np.uint8:
+    raise ValueError(f"{spec!r} is not allowed; its source holds latents, not images")
+  return np.repeat(images, 3, axis=-1) if images.shape[-1] == 1 else images
+
+
+def _describe(path: str, a, model, params, keep: int, what: str):
+  if path.startswith(DATASET):
+    images = dataset_images(path, a.split, a.image_size, a.data_dir, a.max_images)
+    return gen.describe_images(images, model, params, a.batch_size, None, keep, what)
+  return gen.describe(path, model, params, a.batch_size, keep, what)
 
 
 def _load_inception(directory: Optional[str]):
@@ -73,6 +108,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--manifold_batch", type=int, default=manifold.BATCH,
                  help="rows and columns per distance block (ADM: 10000)")
   p.add_argument("--out", help="also write the results as JSON here")
+  p.add_argument("--split", default="train", help="dataset:...: the split (ADM's batches: train)")
+  p.add_argument("--image_size", type=int, help="dataset:...: the side of ADM's centre crop")
+  p.add_argument("--data_dir", help="dataset:...: the TFDS data directory")
+  p.add_argument("--max_images", type=int, default=gen.REF_IMAGES,
+                 help="dataset:...: the first N images of the split (0: all; they are held in memory)")
   a = p.parse_args(argv)
 
   logs.quiet_libraries()
@@ -83,15 +123,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for field in ("batch_size", "is_split_size", "pr_k", "dc_k", "manifold_batch"):
       validate.check_int(field, getattr(a, field), 1)
     validate.check_int("save_images", a.save_images, 0)
+    validate.check_int("max_images", a.max_images, 0)
     for field in ("samples", "ref", "inception"):
       path = getattr(a, field)
-      if path and not paths.exists(path):
+      if path and not path.startswith(DATASET) and not paths.exists(path):
         raise ValueError(f"--{field}={path!r} is not allowed; no such file or folder")
     model = params = None
     if a.inception or _needs_images(a.samples) or _needs_images(a.ref):
       model, params = _load_inception(a.inception)
-    samples = gen.describe(a.samples, model, params, a.batch_size,
-                           a.save_images if a.save_stats else 0, "samples")
+    samples = _describe(a.samples, a, model, params, a.save_images if a.save_stats else 0,
+                        "samples")
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -107,7 +148,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   missing = []
   if a.ref:
     try:
-      ref = gen.describe(a.ref, model, params, a.batch_size, 0, "reference")
+      ref = _describe(a.ref, a, model, params, 0, "reference")
       metrics, missing = gen.compare(samples, ref, a.is_split_size, a.pr_k, a.dc_k,
                                      a.pr_dtype == "float16", a.manifold_batch,
                                      names=(a.samples, a.ref))

@@ -100,10 +100,29 @@ def _pil_resize(image: np.ndarray, height: int, width: int) -> np.ndarray:
   return _from_pil_planes(planes, image.shape[-1])
 
 
+def center_crop_arr(pil_image: Image.Image, image_size: int) -> np.ndarray:
+  """ADM's ``center_crop_arr`` (guided-diffusion ``image_datasets.py``, SiT and REPA ``train.py``):
+  halve with a BOX filter while the short side is at least twice ``image_size``, BICUBIC resize of
+  the short side to ``image_size`` (the long side rounded), centre crop with floor offsets.
+  Returns uint8 ``(S, S)`` or ``(S, S, C)`` as the image's mode."""
+  while min(*pil_image.size) >= 2 * image_size:
+    pil_image = pil_image.resize(tuple(x // 2 for x in pil_image.size), resample=Image.BOX)
+  scale = image_size / min(*pil_image.size)
+  pil_image = pil_image.resize(tuple(round(x * scale) for x in pil_image.size), resample=_BICUBIC)
+  arr = np.array(pil_image)
+  crop_y = (arr.shape[0] - image_size) // 2
+  crop_x = (arr.shape[1] - image_size) // 2
+  return arr[crop_y:crop_y + image_size, crop_x:crop_x + image_size]
+
+
 def eval_resize_one(image: np.ndarray, size: int, mode: str) -> np.ndarray:
-  """uint8 (H, W, C) -> uint8 (size, size, C) by 'resize' or MAE's 'resize_crop'."""
+  """uint8 (H, W, C) -> uint8 (size, size, C) by 'resize', MAE's 'resize_crop' or ADM's 'adm'
+  (``center_crop_arr``: the crop of the SiT/ADM reference batches)."""
   if mode == "resize":
     return _pil_resize(image, size, size)
+  if mode == "adm":
+    return _from_pil_planes([center_crop_arr(p, size) for p in _to_pil_planes(image)],
+                            image.shape[-1])
   # torchvision Resize(int): the shorter side becomes `short`, the longer int(short * long / short).
   height, width = image.shape[:2]
   short = int(size / EVAL_CROP_PCT)

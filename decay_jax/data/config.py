@@ -26,7 +26,8 @@ Everything is driven by one ``ml_collections.ConfigDict`` (start from ``default_
       ``x = pixel / 255``.
   ``eval_resize``: ``'resize_crop'`` (MAE evaluation: bicubic resize of the shorter side to
       ``int(S / 0.875)``, then a centre crop ``S``) or ``'resize'`` (bicubic resize straight to
-      ``S x S``, for tiny images).
+      ``S x S``, for tiny images) or ``'adm'`` (ADM's ``center_crop_arr``: BOX halvings, bicubic
+      resize of the shorter side to ``S``, centre crop; the crop of ADM's reference batches).
   ``channels``: None (the source's own: 1 for a folder of greyscale images, else 3) or 1 / 3 to
       convert every decoded image of an image folder to that many channels.
   ``jpeg_draft``: image folders decode a training JPEG at 1/2, 1/4 or 1/8 scale when the crop
@@ -57,7 +58,7 @@ EMBEDDED_MNIST = "embedded_mnist"
 NPZ_PREFIX = "npz:"
 IMAGEFOLDER_PREFIX = "imagefolder:"
 NORMALIZE = ("imagenet", "half", "none")
-EVAL_RESIZE = ("resize_crop", "resize")
+EVAL_RESIZE = ("resize_crop", "resize", "adm")
 # The file behind dataset='embedded_mnist' (decay_jax.data.embedded builds it and re-exports these;
 # they live here so that reading the file never imports that command-line module).
 EMBEDDED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "embedded")
