@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 from PIL import Image
@@ -150,6 +151,71 @@ def run(tmp_path_factory):
   workdir = str(root / "mae")
   trainer.train_and_evaluate(cfg, workdir, evaluators=registry.build)
   return root, workdir
+
+
+def test_key_features_are_the_blocks_attention_keys(run):
+  """``--seg_feature=keys``: block b's keys are its qkv Dense's middle third on norm1 of block
+  b-1's output (heads concatenated, cls left out), as the reference reads them from ``attn.qkv``."""
+  from decay_jax import sharding as shd
+  from decay_jax.train import checkpoint as ckpt_lib
+  from decay_jax.train import pretrained
+  _, workdir = run
+  mesh = shd.make_mesh(1, 1)
+  model, params = pretrained.load(workdir, mesh)
+  data_cfg = ckpt_lib.run_config(workdir).data
+  images = seg_data.synthetic(4, 28, 1, 4, 4, 0)["image"]
+  keys = segmentation.patch_features(model, params, images, mesh, data_cfg, 1, 4, "keys")
+  tokens = segmentation.patch_features(model, params, images, mesh, data_cfg, 0, 4, "tokens")
+  blk = jax.tree_util.tree_map(lambda a: np.asarray(a)[1], params["blocks"])
+  x = tokens.astype(np.float64)  # block 0's output, patch tokens (cls has its own row)
+  x = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-6)
+  x = x * blk["norm1"]["scale"] + blk["norm1"]["bias"]
+  c = model.dim
+  want = x @ blk["attn"]["qkv"]["kernel"][:, c:2 * c] + blk["attn"]["qkv"]["bias"][c:2 * c]
+  assert keys.shape == (4, 49, c)
+  np.testing.assert_allclose(keys, want, rtol=1e-4, atol=1e-4)
+  with pytest.raises(ValueError, match="seg_feature='values' is not allowed"):
+    segmentation.check_settings({"feature": "values"})
+
+
+def test_segment_boxes_follow_the_reference():
+  """``_extract_bbox``: erode 2 (a step that would empty the mask skipped; outside the map counts
+  as inside, skimage's rule), dilate 3, a cross each time; the box in patches, max exclusive."""
+  seg = np.zeros((7, 7), np.int64)
+  seg[2:5, 2:5] = 1  # eroded once to its centre (3, 3), the second erosion skipped
+  seg[0:2, :] = 2    # on the border: row 0 survives one erosion, the second would empty it
+  ids, boxes = spectral.segment_boxes(seg, skip_background=True, erode=2, dilate=3)
+  assert ids == [1, 2]
+  assert boxes[0] == (0, 0, 7, 7)  # the centre dilated 3 times: a diamond of radius 3
+  assert boxes[1] == (0, 0, 4, 7)  # row 0 dilated 3 times: rows 0-3
+  ids, boxes = spectral.segment_boxes(seg, skip_background=False, erode=0, dilate=0)
+  assert ids == [0, 1, 2] and boxes == [(2, 0, 7, 7), (2, 2, 5, 5), (0, 0, 2, 7)]
+
+
+def test_crop_features_are_the_cls_of_resized_crops(run):
+  """``--seg_segment_feature=crop``: the cls token of the segment box's crop at the model's size;
+  the whole pipeline then runs with them."""
+  from decay_jax import sharding as shd
+  from decay_jax.data import augment, on_device
+  from decay_jax.train import checkpoint as ckpt_lib
+  from decay_jax.train import pretrained
+  _, workdir = run
+  mesh = shd.make_mesh(1, 1)
+  model, params = pretrained.load(workdir, mesh)
+  data_cfg = ckpt_lib.run_config(workdir).data
+  images = seg_data.synthetic(6, 28, 1, 4, 4, 0)["image"]
+  got = segmentation.crop_features(model, params, images, [(2, (1, 2, 4, 6))], mesh, data_cfg,
+                                   -1, 4)
+  crop = augment.eval_resize_one(images[2][4:16, 8:24], 28, "resize")
+  mean, std = augment.normalization(data_cfg, 1)
+  x = on_device.to_model_input(crop[None], mean, std)
+  want = model.apply({"params": params}, x, method=model.features)[-1][:, 0]
+  np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-5)
+  sec = segmentation.evaluate(model, params, mesh, data_cfg,
+                              {"images": 6, "segment_feature": "crop", "batch": 4})
+  assert 0.0 <= sec["miou"] <= 1.0 and sec["num_segments"] > 0
+  assert "cls token of each segment's box (eroded 2, dilated 3)" in "\n".join(
+      segmentation.markdown("mae", sec, None))
 
 
 def _evaluate(*args):

@@ -59,6 +59,8 @@ from decay_jax import sharding as shd
 from decay_jax.cli import errors
 from decay_jax.evals import cka, registry, report, routing_maps, suite, workbench
 from decay_jax.evals.segmentation import DEFAULTS as SEG
+from decay_jax.evals.segmentation import FEATURES as SEG_FEATURES
+from decay_jax.evals.segmentation import SEGMENT_FEATURES as SEG_SEGMENT_FEATURES
 from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import trainer
 
@@ -115,9 +117,14 @@ _ROUTING = _settings_flags("routing", "routing", routing_maps.DEFAULTS, (
 _SEG = _settings_flags("seg", "segmentation", SEG, (  # decay_jax.evals.segmentation
     ("data", "string", "'synthetic' or a folder with images/NAME.jpg|png and masks/NAME.png"),
     ("images", "integer", "images (folder: the first N sorted names, 0 all)"),
-    ("block", "integer", "block whose patch tokens are used (negative from the end)"),
+    ("block", "integer", "block whose patch features are used (negative from the end)"),
+    ("feature", tuple(SEG_FEATURES), "the block's output 'tokens' or its attention 'keys'"),
     ("eigs", "integer", "eigenvectors K of the Laplacian"),
     ("segments", "integer", "KMeans segments per image"),
+    ("segment_feature", tuple(SEG_SEGMENT_FEATURES), "a segment's feature: the 'mean' of its "
+     "patch features, or the reference's cls token of its box's 'crop'"),
+    ("erode", "integer", "crop: erosions of the segment before its box"),
+    ("dilate", "integer", "crop: dilations of the segment before its box"),
     ("clusters", "integer", "segment clusters over the set (0: classes, less the background)"),
     ("classes", "integer", "classes of the masks (0: synthetic 4, folder max label + 1)"),
     ("ignore", "integer", "the ignored mask label"),

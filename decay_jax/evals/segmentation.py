@@ -15,13 +15,19 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from decay_jax import validate
+from decay_jax.data import augment
 from decay_jax.data import segmentation as seg_data
 from decay_jax.evals import features, spectral
 
-DEFAULTS = dict(data=seg_data.SYNTHETIC, images=200, block=-1, eigs=5, segments=4, clusters=0,
+FEATURES = ("tokens", "keys")
+SEGMENT_FEATURES = ("mean", "crop")
+DEFAULTS = dict(data=seg_data.SYNTHETIC, images=200, block=-1, feature="tokens", eigs=5,
+                segments=4, segment_feature="mean", erode=2, dilate=3, clusters=0,
                 lam=0.0, background=True, classes=0, ignore=seg_data.IGNORE, seed=0, batch=256)
 PICTURE_IMAGES = 8
 
@@ -30,6 +36,10 @@ def check_settings(s: Dict) -> Dict:
   """The settings (``DEFAULTS`` keys, the ``--seg_*`` flags) checked; returns a full copy."""
   s = dict(DEFAULTS, **s)
   validate.check_int("seg_images", s["images"], 1 if s["data"] == seg_data.SYNTHETIC else 0)
+  validate.check_choice("seg_feature", s["feature"], FEATURES)
+  validate.check_choice("seg_segment_feature", s["segment_feature"], SEGMENT_FEATURES)
+  validate.check_int("seg_erode", s["erode"], 0)
+  validate.check_int("seg_dilate", s["dilate"], 0)
   validate.check_int("seg_eigs", s["eigs"], 2)
   validate.check_int("seg_segments", s["segments"], 1)
   validate.check_int("seg_clusters", s["clusters"], 0)
@@ -61,23 +71,46 @@ def load(s: Dict, image_size: int, channels: int, patch: int) -> Dict:
 
 
 def patch_features(model, params, images: np.ndarray, mesh, data_cfg, block: int,
-                   batch: int) -> np.ndarray:
-  """``(N, P, D)`` float32 patch tokens (cls left out) of ``block``'s output."""
+                   batch: int, feature: str = "tokens") -> np.ndarray:
+  """``(N, P, D)`` float32 patch features (cls left out) of ``block``: its output tokens, or the
+  ``keys`` of its attention (heads concatenated, the reference's ``which_features='k'``)."""
   depth = features.num_blocks(model)
   validate.check_int("seg_block", block, -depth, depth - 1)
   grid = images.shape[1] // model.patch_size
 
   def fn(params, imgs):
+    if feature == "keys":
+      _, kept = model.apply({"params": params}, imgs, method=model.features, mutable=["keys"])
+      (stacked,) = jax.tree_util.tree_leaves(kept["keys"])  # the scanned blocks' (depth, N, T, C)
+      return stacked[block][:, -grid * grid:, :].astype(jnp.float32)
     tokens = model.apply({"params": params}, imgs, method=model.features)[block]
     return tokens[:, -grid * grid:, :]
 
   return features.extract(features.on_pixels(fn, data_cfg), params, images, mesh, batch)
 
 
+def crop_features(model, params, images: np.ndarray, boxes, mesh, data_cfg, block: int,
+                  batch: int) -> np.ndarray:
+  """``(M, D)``: the cls token of ``block``'s output for each crop ``boxes[m] = (image index,
+  (ymin, xmin, ymax, xmax) in patches)`` of ``images``, resized (bicubic) to the model's input
+  size. The reference feeds the crop at its own size (DINO interpolates its position embeddings;
+  our encoders have one input size) and takes the model's output, DINO's cls token."""
+  p, size = int(model.patch_size), images.shape[1]
+  crops = np.stack([augment.eval_resize_one(images[i][y0 * p:y1 * p, x0 * p:x1 * p], size, "resize")
+                    for i, (y0, x0, y1, x1) in boxes])
+
+  def fn(params, imgs):
+    return model.apply({"params": params}, imgs, method=model.features)[block][:, 0]
+
+  return features.extract(features.on_pixels(fn, data_cfg), params, crops, mesh, batch)
+
+
 def segment(feats: np.ndarray, images: np.ndarray, patch: int, num_classes: int,
-            s: Dict) -> Dict:
+            s: Dict, crops=None) -> Dict:
   """Patch-level predicted labels ``(N, h, w)`` from patch features ``(N, P, D)``: per-image
-  segments, then segment clusters over the set (label 0 the background with ``background``)."""
+  segments, then segment clusters over the set (label 0 the background with ``background``).
+  A segment's feature is the mean of its patch features, or with ``segment_feature='crop'``
+  ``crops(boxes)`` of its box (``crop_features`` of ``[(image index, box)]``)."""
   from PIL import Image
   n, p, _ = feats.shape
   grid = int(round(np.sqrt(p)))
@@ -91,13 +124,20 @@ def segment(feats: np.ndarray, images: np.ndarray, patch: int, num_classes: int,
     _, vecs = spectral.laplacian_eigs(feats[i], s["eigs"], image_lr, s["lam"])
     seg = spectral.image_segments(vecs, (grid, grid), s["segments"], s["background"],
                                   s["seed"])
-    ids, f = spectral.segment_features(feats[i], seg, s["background"])
+    if s["segment_feature"] == "crop":
+      ids, boxes = spectral.segment_boxes(seg, s["background"], s["erode"], s["dilate"])
+      seg_feats += [(i, box) for box in boxes]
+    else:
+      ids, f = spectral.segment_features(feats[i], seg, s["background"])
+      seg_feats.append(f)
     segs.append(seg)
     seg_ids.append(ids)
-    seg_feats.append(f)
   offset = 1 if s["background"] else 0
   clusters = s["clusters"] or num_classes - offset
-  all_feats = np.concatenate(seg_feats, axis=0)
+  if s["segment_feature"] == "crop":
+    all_feats = crops(seg_feats) if seg_feats else np.zeros((0, 1), np.float32)
+  else:
+    all_feats = np.concatenate(seg_feats, axis=0)
   assigned = (spectral.cluster(all_feats, clusters, s["seed"]) if len(all_feats)
               else np.zeros(0, np.int64))
   labels, start = np.zeros((n, grid, grid), np.int64), 0
@@ -121,8 +161,11 @@ def evaluate(model, params, mesh, data_cfg, settings: Dict) -> Dict:
   patch, size = int(model.patch_size), int(data_cfg.image_size)
   data = load(s, size, int(model.in_chans), patch)
   num_classes = data["num_classes"]
-  feats = patch_features(model, params, data["image"], mesh, data_cfg, s["block"], s["batch"])
-  out = segment(feats, data["image"], patch, num_classes, s)
+  feats = patch_features(model, params, data["image"], mesh, data_cfg, s["block"], s["batch"],
+                         s["feature"])
+  crops = lambda boxes: crop_features(model, params, data["image"], boxes, mesh, data_cfg,
+                                      s["block"], s["batch"])
+  out = segment(feats, data["image"], patch, num_classes, s, crops)
   preds = to_pixels(out["labels"], patch)
   masks = data["mask"][:, :preds.shape[1], :preds.shape[2]]
   result = spectral.miou(preds, masks, out["n_preds"], num_classes, s["ignore"])
@@ -139,11 +182,16 @@ def evaluate(model, params, mesh, data_cfg, settings: Dict) -> Dict:
 def markdown(name: str, sec: Dict, png: Optional[str]) -> list:
   """Report lines of one model's section."""
   s = sec["settings"]
+  what = "attention keys" if s.get("feature") == "keys" else "tokens"
+  seg_feature = (f"the cls token of each segment's box (eroded {s['erode']}, dilated "
+                 f"{s['dilate']}) cropped" if s.get("segment_feature") == "crop"
+                 else "their mean patch feature")
   lines = [f"## Unsupervised segmentation: {name}", "",
            f"Deep spectral segmentation (docs/segmentation.md) of block {s['block']}'s patch "
-           f"tokens on {sec['num_images']} images of `{s['data']}` ({sec['num_classes']} classes, "
-           f"{sec['pixels']} valid pixels): K={s['eigs']} eigenvectors, {s['segments']} segments "
-           f"per image, background by the border rule: {s['background']}, {sec['n_preds']} "
+           f"{what} on {sec['num_images']} images of `{s['data']}` ({sec['num_classes']} "
+           f"classes, {sec['pixels']} valid pixels): K={s['eigs']} eigenvectors, "
+           f"{s['segments']} segments per image, background by the border rule: "
+           f"{s['background']}, segments clustered by {seg_feature}, {sec['n_preds']} "
            f"predicted labels, colour lambda {s['lam']:g}, seed {s['seed']}.", "",
            f"**mIoU {100 * sec['miou']:.2f}%**", "",
            "| class | " + " | ".join(str(i) for i in range(len(sec["iou"]))) + " |",

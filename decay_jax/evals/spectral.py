@@ -17,6 +17,11 @@ named in brackets); docs/segmentation.md lists every choice and where ours diffe
 ``image_segments``   KMeans of eigenvectors 1..K-1 into ``n_segments`` per image; the segment with
                      the most border patches becomes segment 0, the background
                      (``_extract_multi_region_segmentations``, ``get_border_fraction``).
+``segment_boxes``    the reference's segment features come from crops: each segment's mask eroded
+                     ``erode`` and dilated ``dilate`` times (a 3x3 cross; an erosion that would
+                     empty it is skipped; erosion treats outside the map as inside, as skimage's
+                     ``binary_erosion``), its bounding box in patches (``extract.py: _extract_bbox``,
+                     ``extract_utils.erode_or_dilate_mask``).
 ``cluster``          the segments' L2-normalised features over the dataset by MiniBatchKMeans
                      (batch 4096, max_iter 5000, ``random_state`` seed; ``extract_bbox_clusters``).
 ``match``, ``miou``  pooled valid pixels, the IoU matrix of predicted labels and classes, Hungarian
@@ -148,6 +153,34 @@ def segment_features(feats: np.ndarray, seg: np.ndarray, skip_background: bool):
   f, flat = l2_normalise(feats), seg.reshape(-1)
   ids = [int(i) for i in np.unique(flat) if not (skip_background and i == 0)]
   return ids, np.stack([f[flat == i].mean(0) for i in ids]) if ids else np.zeros((0, f.shape[1]))
+
+
+def _morph(mask: np.ndarray, times: int, erode: bool) -> np.ndarray:
+  """``extract_utils.erode_or_dilate_mask``: ``times`` steps, a step that empties the mask skipped."""
+  import scipy.ndimage as ndi
+  cross = ndi.generate_binary_structure(2, 1)
+  for _ in range(times):
+    new = (ndi.binary_erosion(mask, cross, border_value=1) if erode else
+           ndi.binary_dilation(mask, cross, border_value=0))
+    if new.sum() > 0:
+      mask = new
+  return mask
+
+
+def segment_boxes(seg: np.ndarray, skip_background: bool, erode: int = 2,
+                  dilate: int = 3) -> Tuple[list, list]:
+  """``(segment ids, boxes)`` of a patch-level segment map ``seg (h, w)``: per segment (0 left
+  out with ``skip_background``) the bounding box ``(ymin, xmin, ymax, xmax)`` (max exclusive) of
+  its mask eroded ``erode`` then dilated ``dilate`` times (``extract.py: _extract_bbox``)."""
+  ids, boxes = [], []
+  for i in np.unique(seg):
+    if skip_background and i == 0:
+      continue
+    mask = _morph(_morph(seg == i, erode, True), dilate, False)
+    ys, xs = np.nonzero(mask)
+    ids.append(int(i))
+    boxes.append((int(ys.min()), int(xs.min()), int(ys.max()) + 1, int(xs.max()) + 1))
+  return ids, boxes
 
 
 def cluster(features: np.ndarray, n_clusters: int, seed: int = 0) -> np.ndarray:

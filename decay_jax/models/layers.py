@@ -153,6 +153,9 @@ class Attention(nn.Module):
                    bias_init=zeros, name="qkv")(x)
     qkv = qkv.reshape(n, t, 3, self.num_heads, c // self.num_heads)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    # The keys, heads concatenated (N, T, C), kept only when the caller makes 'keys' mutable
+    # (segmentation's key features, as deep spectral methods read them from the qkv output).
+    self.sow("keys", "k", k.reshape(n, t, c))
     impl = resolve_attention(self.implementation, self.dtype, t, c // self.num_heads)
     out = checkpoint_name(attend(q, k, v, impl), "context")
     return nn.Dense(c, dtype=self.dtype, kernel_init=self.proj_init, bias_init=zeros,
@@ -234,7 +237,9 @@ def scan_blocks(block_cls, depth: int, in_axes, remat_policy: str = "none"):
 
   Scanning keeps compile time flat in depth, which matters on pods and in CI. Per-layer constants
   (the decay coefficients) and per-layer inputs enter as scanned arrays ``xs``. Sown
-  ``'intermediates'`` (branch norms, only when the caller makes them mutable) get the layer axis too.
+  ``'intermediates'`` (branch norms) and ``'keys'`` (attention keys), kept only when the caller makes
+  them mutable, get the layer axis too.
   """
-  return nn.scan(remat(block_cls, remat_policy), variable_axes={"params": 0, "intermediates": 0},
+  return nn.scan(remat(block_cls, remat_policy),
+                 variable_axes={"params": 0, "intermediates": 0, "keys": 0},
                  split_rngs={"params": True, "dropout": True}, in_axes=in_axes, length=depth)
