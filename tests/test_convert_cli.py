@@ -106,7 +106,7 @@ def sit_run(tmp_path_factory):
                                                       "model.alpha_min": 0.8})
   model = sit_lib.sit("micro/2", input_size=8, in_channels=4, num_classes=10,
                       residual=Residual(alpha_min=0.8))
-  init = official.sit_init_args(model)
+  init = sit_lib.init_args(model)
   params, ema = random_params(model, init, 3), random_params(model, init, 4)
   write_run(str(root / "run"), config, {4: {"params": params, "ema": ema}})
   return dict(workdir=str(root / "run"), model=model, params=params, ema=ema, root=root)
@@ -372,7 +372,7 @@ def bad(tmp_path_factory, mae_run, sit_params_dir):
   routed = sit_lib.sit("micro/2", input_size=8, in_channels=4, num_classes=10,
                        residual_routing="mirror")
   zeros = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), traverse_util.unflatten_dict(
-      rules.abstract_params(routed, *official.sit_init_args(routed))))
+      rules.abstract_params(routed, *sit_lib.init_args(routed))))
   checkpoint.save_params(str(root / "routed"), zeros, routed)
   out["routed"] = str(root / "routed")
   return out

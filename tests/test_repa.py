@@ -15,7 +15,7 @@ from parity import nhwc
 from testing_configs import load_config, override
 from decay_jax import sharding as shd
 from decay_jax.cli import convert as convert_cli
-from decay_jax.io import convert_repa, official, rules
+from decay_jax.io import convert_repa, rules
 from decay_jax.models import dinov2
 from decay_jax.models import mae as mae_lib
 from decay_jax.models import sit as sit_lib
@@ -71,7 +71,7 @@ def test_converted_repa_sit_matches_reference(repa_pair):
 def test_flax_init_matches_repa_init_statistics(repa_pair):
   """Our init of the projectors and blocks follows REPA's (xavier / zero), by shape and scale."""
   m, init = repa_pair["model"], repa_pair["ref_init"]
-  params = jax.jit(m.init)(jax.random.key(0), *official.sit_init_args(m))["params"]
+  params = jax.jit(m.init)(jax.random.key(0), *sit_lib.init_args(m))["params"]
   w = np.asarray(params["projectors_0"]["fc0"]["kernel"])
   bound = np.sqrt(6.0 / (64 + 32))
   assert w.shape == (64, 32) and np.abs(w).max() <= bound and np.abs(w).max() > 0.8 * bound

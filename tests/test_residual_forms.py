@@ -377,7 +377,7 @@ def test_norm_position_and_drop_path_refusals_are_one_line():
         norm_position="post")))
   # stochastic depth is training-only: the official layout holds such a model
   sit = sit_lib.sit("micro/2", residual=Residual(drop_path=0.2))
-  params = sit.init(jax.random.key(0), *official.sit_init_args(sit))["params"]
+  params = sit.init(jax.random.key(0), *sit_lib.init_args(sit))["params"]
   assert "enc_blocks.0.attn.qkv.weight" in official.sit_to_torch(params, sit)
 
 

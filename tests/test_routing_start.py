@@ -107,7 +107,7 @@ def test_every_plain_parameter_is_copied_and_the_new_ones_start_at_zero(sources,
   assert all(not np.any(v) and v.dtype == jnp.float32 for v in new.values())
   assert sum(v.size for v in new.values()) == routing.extra_params(variant, plain.depth,
                                                                     plain.dim, gate)
-  shapes = flat(routing_start.abstract_params(routed))
+  shapes = flat(sit_lib.abstract_params(routed))
   assert {k: v.shape for k, v in out.items()} == {k: v.shape for k, v in shapes.items()}
 
 
@@ -174,7 +174,7 @@ def test_one_line_errors(sources, tmp_path):
   mae = mae_lib.mae("micro/4", img_size=8, in_chans=1)
   ckpt_lib.save_params(str(tmp_path / "mae"),
                        mae.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))["params"], mae)
-  with pytest.raises(ValueError, match="holds a MaskedAutoencoder, a sit run starts from a SiT"):
+  with pytest.raises(ValueError, match="holds a MaskedAutoencoder, a sit model is needed here"):
     pretrained.load(str(tmp_path / "mae"), None, "sit")
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from typing import Mapping, Optional, Tuple
 
-from decay_jax.io.official import sit_init_args
 from decay_jax.io.rules import (ConversionError, Report, Rule, abstract_params, as_numpy,
                                 check_table, conv_rules, dense_rules, from_torch, vit_block_rules)
 from decay_jax.io.sizes import layer_count
@@ -109,7 +108,7 @@ def repa_from_torch(state_dict: Mapping, encoder_depth: int = REPA_ENCODER_DEPTH
   sd = rename_legacy(state_dict, encoder_depth)
   model = repa_model(infer_repa_fields(sd, encoder_depth, num_heads))
   check_table(sd, "pos_embed", model.pos_embed())
-  targets = abstract_params(model, *sit_init_args(model))
+  targets = abstract_params(model, *sit_lib.init_args(model))
   ignore = {"pos_embed": "fixed sin-cos table (a module constant here; checked)"}
   params, report = from_torch(sd, repa_rules(model), targets, ignore)
   return model, params, report

@@ -16,10 +16,11 @@ from flax import traverse_util
 from decay_jax import paths
 from decay_jax import sharding as shd
 from decay_jax.io.inputs import bad_input, error_detail
-from decay_jax.io.official import mae_init_args, sit_init_args
+from decay_jax.io.official import mae_init_args
 from decay_jax.io.rules import abstract_params
 from decay_jax.models import factory
 from decay_jax.models import mae as mae_lib
+from decay_jax.models import sit as sit_lib
 from decay_jax.train import checkpoint
 from decay_jax.validate import InputError
 
@@ -163,7 +164,7 @@ def read_params(directory: str, step: Optional[int] = None, weights: Optional[st
 def check_params_match(model, params: Mapping, arg: str, value: str) -> None:
   """Every leaf of ``params`` has the shape ``model`` gives it, and no leaf is missing or extra."""
   is_mae = isinstance(model, mae_lib.MaskedAutoencoder)
-  init = mae_init_args(model) if is_mae else sit_init_args(model)
+  init = mae_init_args(model) if is_mae else sit_lib.init_args(model)
   want = {p: tuple(s.shape) for p, s in abstract_params(model, *init).items()}
   got = {p: tuple(np.shape(v)) for p, v in traverse_util.flatten_dict(dict(params)).items()}
   bad = [f"{'/'.join(p)} {got.get(p, 'missing')} (the model has {want.get(p, 'none')})"

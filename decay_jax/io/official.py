@@ -170,17 +170,11 @@ def mae_to_torch(params: Mapping, model: mae_lib.MaskedAutoencoder) -> "collecti
   return sd
 
 
-def sit_init_args(model: sit_lib.SiT):
-  """Example inputs of ``model.init`` (latents, times, labels): batch 1, zeros."""
-  return (jnp.zeros((1, model.input_size, model.input_size, model.in_channels)),
-          jnp.zeros((1,)), jnp.zeros((1,), jnp.int32))
-
-
 def sit_from_torch(state_dict: Mapping, model: sit_lib.SiT) -> Tuple[dict, Report]:
   """Official SiT ``model`` or ``ema`` state_dict -> Flax params of ``model``."""
   check_residual_form(model, "the official model")
   check_table(state_dict, "pos_embed", model.pos_embed())
-  targets = abstract_params(model, *sit_init_args(model))
+  targets = abstract_params(model, *sit_lib.init_args(model))
   targets.pop(("alpha",), None)
   params, report = from_torch(state_dict, sit_rules(model), targets,
                               {"pos_embed": "fixed sin-cos table (a module constant here; checked)"})

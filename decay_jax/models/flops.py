@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from decay_jax.models import routing
+from decay_jax.models import sit as sit_lib
 
 
 def _block_macs(tokens: int, dim: int, mlp_ratio: float) -> float:
@@ -109,9 +109,7 @@ def overhead(model) -> dict:
   """Parameters (counted on the abstract init) and train FLOPs of the routing of SiT ``model``
   against the same SiT with ``residual_routing='plain'`` (the DiT baseline without long-range connections)."""
   def count(m):
-    x = jnp.zeros((1, m.input_size, m.input_size, m.in_channels), jnp.float32)
-    shapes = jax.eval_shape(m.init, jax.random.key(0), x, jnp.zeros((1,)), jnp.zeros((1,), jnp.int32))
-    return sum(int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(shapes["params"]))
+    return sum(int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(sit_lib.abstract_params(m)))
 
   plain = dataclasses.replace(model, residual_routing="plain", routing_decay="after",
                               routing_gate=False)

@@ -39,7 +39,6 @@ import dataclasses
 from typing import Any, Dict, Tuple
 
 import flax
-import jax
 import jax.numpy as jnp
 
 from decay_jax.models import routing
@@ -88,13 +87,6 @@ def _fields_text(diff: Dict[str, Tuple[Any, Any]]) -> str:
   return ", ".join(f"{k} {a!r} (model: {b!r})" for k, (a, b) in sorted(diff.items()))
 
 
-def abstract_params(model: sit_lib.SiT):
-  """Shapes and dtypes of ``model``'s parameters (nothing allocated)."""
-  x = jnp.zeros((1, model.input_size, model.input_size, model.in_channels), jnp.float32)
-  return jax.eval_shape(model.init, jax.random.key(0), x, jnp.zeros((1,)),
-                        jnp.zeros((1,), jnp.int32))["params"]
-
-
 def check_routed_start(plain: sit_lib.SiT, routed: sit_lib.SiT) -> None:
   """One-line ValueErrors for a start of ``routed`` from ``plain``'s parameters."""
   if not isinstance(plain, sit_lib.SiT):
@@ -125,7 +117,7 @@ def routed_from_plain(plain_params, plain: sit_lib.SiT, routed: sit_lib.SiT):
   the routing weights ``w`` and gates ``g`` at zero (module docstring)."""
   check_routed_start(plain, routed)
   source = _kept(plain_params, routed)
-  target = flax.traverse_util.flatten_dict(flax.core.unfreeze(abstract_params(routed)))
+  target = flax.traverse_util.flatten_dict(flax.core.unfreeze(sit_lib.abstract_params(routed)))
   out = {}
   for path, leaf in target.items():
     if path in source:

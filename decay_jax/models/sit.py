@@ -269,3 +269,16 @@ SIT_PRESETS = {f"{size}/{p}": dict(patch_size=p, **cfg)
 def sit(preset: str, **overrides) -> SiT:
   """A ``SiT`` from a preset name such as 'XL/2', 'B/4' or 'micro/2', with field overrides."""
   return fields.from_preset(SiT, SIT_PRESETS, preset, overrides)
+
+
+def init_args(model: SiT, batch: int = 1):
+  """Example inputs of ``model.init``: latents ``(batch, S, S, C)``, times ``(batch,)`` and labels
+  ``(batch,)`` int32, all zeros."""
+  return (jnp.zeros((batch, model.input_size, model.input_size, model.in_channels), jnp.float32),
+          jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), jnp.int32))
+
+
+def abstract_params(model: SiT):
+  """Shapes and dtypes of ``model``'s parameters (``jax.eval_shape`` of its init: nothing
+  allocated)."""
+  return jax.eval_shape(model.init, jax.random.key(0), *init_args(model))["params"]

@@ -79,8 +79,7 @@ class SiTTask(base.Task):
             for i, d in enumerate(m.repa_dims)}
 
   def init_inputs(self, batch: int):
-    return (jnp.zeros((batch,) + self.image_shape(), jnp.float32),
-            jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), jnp.int32))
+    return sit_lib.init_args(self.model, batch)
 
   def image_shape(self) -> Tuple[int, int, int]:
     """One sample's ``(H, W, C)``."""
@@ -119,7 +118,9 @@ class SiTTask(base.Task):
                                                  force_drop_ids=batch["drop"], drop_u=drop_u)
     per_example = self.transport.loss(model_fn, x1, batch["x0"], t, y=y)
     loss = per_example.mean()
-    return loss, dict(base.loss_by_time(per_example, t), loss=loss)
+    # loss_v: the flow-matching term alone, named as with REPA, so runs with and without the
+    # alignment loss compare on it (decay_jax.cli.compare's "flow loss").
+    return loss, dict(base.loss_by_time(per_example, t), loss=loss, loss_v=loss)
 
   def repa_loss(self, params, batch, drop_u):
     """REPA: ``loss_v + proj_coeff * loss_proj`` on the prepared batch's targets."""
