@@ -365,6 +365,24 @@ def test_finetuning_a_pretrained_workdir_trains_and_reports_accuracy(finetuned):
     np.testing.assert_array_equal(a, b)
 
 
+def test_an_mae_workdir_is_a_repa_encoder(finetuned):
+  """``repa.encoder`` takes an MAE training workdir as it is (its trained weights, as init_from):
+  the tokens are those of the same weights read by ``pretrained.load``."""
+  from decay_jax import sharding as shd
+  from decay_jax.train import pretrained
+  from decay_jax.train import repa as repa_lib
+  root, _, _ = finetuned
+  encoder, params = repa_lib.load_encoder(str(root / "pre"), "half")
+  model, expected = pretrained.load(str(root / "pre"), shd.make_mesh(1, 1))
+  pixels = np.random.default_rng(0).integers(0, 256, (2, 16, 16, 1)).astype(np.uint8)
+  got = encoder.tokens(params, pixels)
+  want = repa_lib.encoder_for(model, "half").tokens(expected, pixels)
+  assert got.shape == (2, 16, 32)  # 4x4 patch tokens of the last block, class token dropped
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  with pytest.raises(ValueError, match="encoder_normalize='imagenet' is not allowed"):
+    repa_lib.load_encoder(str(root / "pre"), "imagenet")
+
+
 def test_init_from_anything_else_is_one_line(finetuned, tmp_path):
   from decay_jax.train import checkpoint as ckpt_lib
   from decay_jax.train import pretrained

@@ -57,7 +57,12 @@ def test_one_real_step_on_tfds_mock_data_with_sample_grid(tmp_path):
   with tfds.testing.mock_data(num_examples=32):
     res = trainer.train_and_evaluate(c, str(tmp_path))
   assert res["step"] == 1 and np.isfinite(res["loss"]) and res["loss"] > 0.5
+  assert res["loss_v"] == res["loss"]  # the flow loss alone (no REPA term here)
   assert os.path.exists(tmp_path / "pictures" / "step_0000001.png")
+  # A finished run called again returns the loss terms its last checkpoint recorded.
+  with tfds.testing.mock_data(num_examples=32):
+    again = trainer.train_and_evaluate(c, str(tmp_path))
+  assert (again["step"], again["loss"], again["loss_v"]) == (1, res["loss"], res["loss_v"])
   state = restore_state(str(tmp_path), c)
   assert "ema" in state and state["step"] == 1
 

@@ -9,6 +9,8 @@ The arms are the product of the ``--grid`` values (``FIELD=V1,V2,...``, any conf
 ``model.alpha_min`` (1.0 is the standard residual network). Every arm trains with identical data, schedule and steps, once per
 seed (``config.seed + 0 .. seeds-1``), in its own resumable directory ``DIR/<arm>[_seed<N>]``.
 
+Metrics: the final loss (the mean over the last logging window; with REPA it holds the alignment
+term), SiT's flow loss alone (``loss_v``: runs with and without REPA compare on it), KNN top-1/5.
 With two or more seeds the table gives, per metric, the mean, the standard deviation and the 95%
 Student-t interval, and lists for each pair of arms the 95% Welch interval of the difference and
 whether it excludes 0 (``decay_jax.evals.intervals``). Writes ``DIR/comparison.md`` (the table
@@ -41,8 +43,8 @@ _SEEDS = flags.DEFINE_integer("seeds", 1, "Runs per arm, seeds config.seed + 0, 
 flags.mark_flags_as_required(["config", "workdir"])
 
 # (result key, column title, shown in percent)
-METRICS = (("loss", "final loss", False), ("knn/top1", "KNN top-1", True),
-           ("knn/top5", "KNN top-5", True))
+METRICS = (("loss", "final loss", False), ("loss_v", "flow loss", False),
+           ("knn/top1", "KNN top-1", True), ("knn/top5", "KNN top-5", True))
 
 
 def _cell(s, percent: bool) -> str:

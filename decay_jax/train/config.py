@@ -191,8 +191,8 @@ def sit_config() -> mlc.ConfigDict:
                                     sample_eps=mlc.FieldReference(None, field_type=float)))
   # REPA's alignment loss (decay_jax/train/tasks/sit.py; off while model.repa_depth is 0): the
   # targets come in the batch ('repa_target_I') or from the frozen encoder at `encoder` (a params
-  # directory, model.json + params) on the uint8 pixels (a pixel stream's images, or the
-  # 'repa_pixels' a latent stream delivers).
+  # directory, model.json + params, or an MAE training workdir) on the uint8 pixels (a pixel
+  # stream's images, or the 'repa_pixels' a latent stream delivers).
   # `encoder_normalize`: the data.normalize mode an MAE encoder was trained with (DINOv2 has REPA's).
   c.repa = mlc.ConfigDict(dict(proj_coeff=0.5, encoder="", encoder_normalize="imagenet"))
   # Sampling: the monitoring grid during training and the defaults of decay_jax.cli.sample. The

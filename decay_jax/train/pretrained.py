@@ -23,13 +23,13 @@ from decay_jax.train import checkpoint as ckpt_lib
 SOURCES = {"mae": (mae_lib.MaskedAutoencoder, "patch_embed"), "sit": (sit_lib.SiT, "x_embedder")}
 
 
-def load(init_from: str, mesh, task: str = "mae") -> Tuple[Any, Any]:
+def load(init_from: str, mesh, task: str = "mae", what: str = "init_from") -> Tuple[Any, Any]:
   """``(model, its parameters)`` of ``init_from`` for a run starting from a ``task`` model (the keys
-  of ``SOURCES``); one-line errors for anything else."""
+  of ``SOURCES``); one-line errors, naming the field ``what``, for anything else."""
   cls, embed = SOURCES[task]
   root = paths.resolve(init_from)
   if (root / "model.json").exists():
-    model, params = ckpt_lib.load_params(init_from, "init_from")
+    model, params = ckpt_lib.load_params(init_from, what)
   elif (root / "config.json").exists():
     run_cfg = ckpt_lib.run_config(init_from, task=task)
     params, _ = ckpt_lib.restore_run_params(init_from, mesh)
@@ -38,9 +38,9 @@ def load(init_from: str, mesh, task: str = "mae") -> Tuple[Any, Any]:
                                           "channels": channels})
   else:
     raise ckpt_lib.CheckpointError(
-        f"init_from={init_from!r} is not allowed; it is neither a pre-training workdir "
+        f"{what}={init_from!r} is not allowed; it is neither a pre-training workdir "
         "(config.json and checkpoints/) nor a params directory (model.json and params/)")
   if not isinstance(model, cls):
-    raise ValueError(f"init_from={init_from!r} is not allowed; it holds a {type(model).__name__}, "
-                     f"a {task} run starts from a {cls.__name__}")
+    raise ValueError(f"{what}={init_from!r} is not allowed; it holds a {type(model).__name__}, "
+                     f"a {task} model is needed here (a {cls.__name__})")
   return model, params

@@ -28,12 +28,14 @@ from typing import Any, Callable, Dict, List, Optional
 import jax
 import jax.numpy as jnp
 
-from decay_jax import validate
+from decay_jax import paths, validate
+from decay_jax import sharding as shd
 from decay_jax.data import augment, on_device
 from decay_jax.data import config as data_config
 from decay_jax.models import dinov2 as dinov2_lib
 from decay_jax.models import mae as mae_lib
 from decay_jax.train import checkpoint as ckpt_lib
+from decay_jax.train import pretrained
 
 NORM_EPS = 1e-12  # torch.nn.functional.normalize
 TARGET = "repa_target_{}"
@@ -85,8 +87,12 @@ def encoder_for(module, normalize: str = "imagenet") -> Encoder:
 
 
 def load_encoder(directory: str, normalize: str = "imagenet"):
-  """``(Encoder, params)`` of a params directory (``model.json`` + ``params``)."""
-  module, params = ckpt_lib.load_params(directory, "repa.encoder")
+  """``(Encoder, params)`` of a params directory (``model.json`` + ``params``: a converted DINOv2
+  or MAE) or of an MAE training workdir of ``decay_jax.cli.train`` (its latest trained weights)."""
+  if (paths.resolve(directory) / "config.json").exists():
+    module, params = pretrained.load(directory, shd.make_mesh(), "mae", what="repa.encoder")
+  else:
+    module, params = ckpt_lib.load_params(directory, "repa.encoder")
   return encoder_for(module, normalize), params
 
 

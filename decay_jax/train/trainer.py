@@ -188,7 +188,8 @@ def train_and_evaluate(config, workdir: str,
   preemption = _Preemption()
   fixed_pictures = evaluators.picture_batch()
   history, preempted = [], False
-  results = {"compile_seconds": compile_seconds, "step": start, "loss": meta.get("loss")}
+  results = {"compile_seconds": compile_seconds, "step": start, "loss": meta.get("loss"),
+             **meta.get("losses", {})}
   evaluated = False
   window_start, window_cpu, window_steps = time.perf_counter(), time.process_time(), 0
   step, batch = start, first
@@ -217,7 +218,9 @@ def train_and_evaluate(config, workdir: str,
         scalars["step_cpu_seconds"] = (time.process_time() - window_cpu) / window_steps
         scalars.update(s.rates(scalars["step_seconds"]))
         writer.write_scalars(step, scalars)
-        results.update(step=step, loss=scalars["loss"])
+        # The final window's mean of every loss term (loss; loss_v, loss_proj with SiT).
+        results.update(step=step, **{k: v for k, v in scalars.items() if k.startswith("loss")
+                                     and "/" not in k})
         window_start, window_cpu, window_steps = time.perf_counter(), time.process_time(), 0
       if config.picture_every_steps and (step % config.picture_every_steps == 0 or last):
         if fixed_pictures is not None or not task.picture_needs_batch:
@@ -234,7 +237,10 @@ def train_and_evaluate(config, workdir: str,
           _check_finite(fetched, step, ckpts)
         ckpts.save(step, state, {"step": step, "examples_seen": step * config.batch_size,
                                  "seed": config.seed, "task": config.task,
-                                 "loss": results["loss"]}, data=batches.get_state())
+                                 "loss": results["loss"],
+                                 "losses": {k: v for k, v in results.items()
+                                            if k.startswith("loss_")}},
+                   data=batches.get_state())
       if evaluators.due(step, last):
         with report.timed("eval"):
           ev = evaluators.run(state["params"], step, last, state["ema"] if use_ema else None)
