@@ -191,15 +191,49 @@ def test_hyper_connection_refusals_are_one_line():
   for make, match in [
       (lambda: sit_lib.sit("micro/2", residual=spec, residual_routing="mirror"),
        "hyper_connections='static' is not allowed with residual_routing='mirror'"),
-      (lambda: uvit_lib.uvit("tiny/4", residual=spec), "supported on MAE and SiT only"),
-      (lambda: vit_lib.ViTClassifier(num_classes=3, residual=spec),
-       "supported on MAE and SiT only")]:
+      (lambda: uvit_lib.uvit("tiny/4", residual=spec),
+       "supported on MAE, SiT and the fine-tuning")]:
     with pytest.raises(ValueError, match=match) as err:
       make()
     assert "\n" not in str(err.value)
   with pytest.raises(ConversionError, match="hyper_connections='static' has no counterpart") as e:
     official.mae_to_torch({}, mae_lib.mae("micro/4", residual=spec))
   assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("form", HYPER)
+def test_the_fine_tuning_vit_carries_the_maes_hyper_connections(form):
+  """A classifier from an MAE with hyper-connections takes its ``hyper_*`` weights and computes
+  ``head(fc_norm(mean of the last block's patch tokens))`` of the MAE's own (reduced) features;
+  the weights get the layer ids of their blocks and the MAE's weight-decay rule."""
+  from decay_jax.train import finetune_optim
+  spec = Residual(alpha_min=0.7, hyper_connections=form, hyper_rate=3)
+  mae = mae_lib.MaskedAutoencoder(img_size=8, patch_size=4, in_chans=1, dim=8, depth=2,
+                                  num_heads=2, decoder_dim=8, decoder_depth=1, decoder_num_heads=1,
+                                  residual=spec)
+  x = jax.random.normal(jax.random.key(3), (2, 8, 8, 1))
+  mae_params = mae.init({"params": jax.random.key(0), "masking": jax.random.key(1)}, x)["params"]
+  mae_params = jax.tree_util.tree_map(  # move every weight off its start (dynamic ones are 0)
+      lambda p: p + 0.05 * jax.random.normal(jax.random.key(p.size), p.shape), mae_params)
+  vit = vit_lib.from_mae(mae, num_classes=3, drop_path=0.0)
+  params = vit_lib.init_from_mae(vit.init(jax.random.key(2), x)["params"], mae, mae_params)
+  hyper_names = sorted(n for n in mae_params if n.startswith("hyper_"))
+  assert hyper_names and hyper_names == sorted(n for n in params if n.startswith("hyper_"))
+  for n in hyper_names:
+    np.testing.assert_array_equal(params[n], mae_params[n])
+  feats = mae.apply({"params": mae_params}, x, method=mae.features)[-1]
+  pooled = feats[:, 1:].mean(axis=1)
+  mu, var = pooled.mean(-1, keepdims=True), pooled.var(-1, keepdims=True)
+  ln = params["fc_norm"]
+  normed = (pooled - mu) / jnp.sqrt(var + 1e-6) * ln["scale"] + ln["bias"]
+  want = normed @ params["head"]["kernel"] + params["head"]["bias"]
+  np.testing.assert_allclose(vit.apply({"params": params}, x), want, rtol=1e-5, atol=1e-6)
+  ids = finetune_optim.layer_ids(params, 2)
+  assert all(list(ids[n]) == [1, 2] for n in hyper_names)
+  mask = finetune_optim.weight_decay_mask(params)
+  assert not mask["hyper_static_alpha"] and not mask["hyper_static_beta"]
+  if form == "dynamic":
+    assert mask["hyper_dynamic_alpha"] and mask["hyper_dynamic_beta"]
 
 
 @pytest.mark.parametrize("task", ["mae", "sit"])

@@ -310,7 +310,7 @@ def validate_uvit_fields(m) -> None:
   residual_lib.check_field(m)
   if m.residual.hyper:
     raise ValueError(f"hyper_connections={m.residual.hyper_connections!r} is not allowed here; "
-                     "hyper_connections is supported on MAE and SiT only")
+                     "hyper_connections is supported on MAE, SiT and the fine-tuning ViT only")
   fields.check_execution(m)
 
 

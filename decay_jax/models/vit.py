@@ -88,8 +88,10 @@ class ViTClassifier(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
         residual=self.residual.at_depth(self.depth), dtype=self.dtype,
         attention_impl=self.attention_impl, stochastic_depth=self.train,
         name="blocks")
-    x, _ = blocks(x, self.residual.coefficients(self, self.depth),
-                  jnp.asarray(self.residual.drop_path_rates(self.depth)), drop_u)
+    hyper = self.residual.hyper_weights(self, self.depth, self.dim)  # None, or (depth, 2, ...)
+    x, _ = blocks(self.residual.expand(x), self.residual.coefficients(self, self.depth),
+                  jnp.asarray(self.residual.drop_path_rates(self.depth)), drop_u, hyper)
+    x = self.residual.reduce(x)  # hyper-connections: the streams' sum, as MAE's features
     pooled = layers.layer_norm("fc_norm")(x[:, 1:].mean(axis=1))
     head = nn.Dense(self.num_classes, dtype=self.dtype, name="head",
                     kernel_init=nn.initializers.truncated_normal(HEAD_INIT_STD, lower=-2e5,
@@ -107,9 +109,6 @@ def validate_vit_fields(m) -> None:
     raise ValueError(f"dim={m.dim} is not allowed; it must be divisible by num_heads="
                      f"{m.num_heads} and by 4 (2-D sin-cos positions)")
   residual_lib.check_field(m)
-  if m.residual.hyper:
-    raise ValueError(f"hyper_connections={m.residual.hyper_connections!r} is not allowed here; "
-                     "hyper_connections is supported on MAE and SiT only")
   if m.residual.shortcut_form == "learnable":
     raise ValueError("shortcut_form='learnable' is not allowed for fine-tuning yet")
   fields.check_execution(m)
@@ -172,14 +171,16 @@ def interpolate_pos_embed(table: np.ndarray, new_grid: int) -> np.ndarray:
 
 def init_from_mae(params, mae_model, mae_params) -> dict:
   """Classifier parameters from a pre-trained MAE, over the classifier's freshly initialised
-  ``params``: the encoder's (``patch_embed``, ``cls_token``, ``blocks``) copied; ``pos_embed`` =
+  ``params``: the encoder's (``patch_embed``, ``cls_token``, ``blocks`` and, with
+  hyper-connections, its ``hyper_*`` weights) copied; ``pos_embed`` =
   the MAE's fixed sin-cos table, interpolated to this grid (``interpolate_pos_embed``) and now
   trainable; ``fc_norm`` (1, 0) and ``head`` (N(0, 2e-5^2) weights, zero bias) kept as initialised,
   as upstream's loader leaves them (docs/finetune.md 3.2). The decoder, skip layers and decoder
   tokens of pre-training are not used.
   """
   out = dict(params)
-  for name in ("patch_embed", "cls_token", "blocks"):
+  hyper = sorted(name for name in params if name.startswith("hyper_"))
+  for name in ("patch_embed", "cls_token", "blocks", *hyper):
     src, dst = mae_params[name], params[name]
     if (jax.tree_util.tree_structure(src) != jax.tree_util.tree_structure(dst)
         or any(a.shape != b.shape for a, b in zip(jax.tree_util.tree_leaves(src),

@@ -2,7 +2,9 @@
 (docs/finetune.md 2).
 
 Each parameter has a layer id from its timm name: ``cls_token``, ``pos_embed`` and ``patch_embed.*``
-are 0, ``blocks.j.*`` is ``j + 1``, everything else (``fc_norm``, ``head``) is ``depth + 1``. Its
+are 0, ``blocks.j.*`` is ``j + 1`` (so is block ``j``'s row of the hyper-connection weights
+``hyper_*``, stacked ``(depth, ...)`` like the blocks), everything else (``fc_norm``, ``head``) is
+``depth + 1``. Its
 learning rate is ``lr(step) * layer_decay ** (depth + 1 - id)``. Weight decay (0.05) applies to
 tensors whose torch shape has rank >= 2 except ``cls_token`` and ``pos_embed``; never to biases or
 LayerNorm parameters. The update equals torch's AdamW over those parameter groups:
@@ -27,6 +29,7 @@ from decay_jax.train import optim
 NO_WEIGHT_DECAY = ("cls_token", "pos_embed")  # timm's VisionTransformer.no_weight_decay()
 STEM = ("cls_token", "pos_embed", "patch_embed")
 BLOCKS = "blocks"
+HYPER = "hyper_"  # hyper-connection weights, one row per block (models/hyper.py)
 
 
 def _top(path) -> str:
@@ -39,7 +42,7 @@ def layer_ids(params, depth: int):
     name = _top(path)
     if name in STEM:
       return 0
-    if name == BLOCKS:
+    if name == BLOCKS or name.startswith(HYPER):
       return np.arange(1, depth + 1)
     return depth + 1
   return jax.tree_util.tree_map_with_path(rule, params)
