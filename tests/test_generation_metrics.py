@@ -233,23 +233,32 @@ def test_command_prints_all_metrics_and_writes_a_reference(tmp_path, capsys, inc
 
 
 def test_a_dataset_split_is_a_reference(tmp_path, capsys, inception, monkeypatch):
-  """``--samples=dataset:NAME --split=SPLIT``: the split's first images, ADM's centre crop (the identity
-  at the digits' own 28 px), grey repeated to RGB, written as an ADM reference batch."""
+  """``--samples=dataset:NAME --split=SPLIT``: the split's first images, ADM's centre crop
+  (``data.eval_resize='adm'``, 28 -> 24 px: the fixture's compiled size), grey repeated to RGB,
+  written as an ADM reference batch of their features' statistics."""
   from decay_jax.data import pipeline
-  monkeypatch.setattr(gen, "frechet_distance", lambda *a: 0.0)  # its cost; its maths elsewhere
+  seen, real_activations = [], gen.inception_activations
+
+  def activations(model, params, images, *args, **kwargs):
+    seen.append((np.array(images), real_activations(model, params, images, *args, **kwargs)))
+    return seen[-1][1]
+
+  monkeypatch.setattr(gen, "inception_activations", activations)
   ref = tmp_path / "digits.npz"
-  assert fid.main(["--samples=dataset:embedded_mnist", "--split=test", "--image_size=28",
-                   "--max_images=16", f"--inception={inception['dir']}", f"--batch_size={BATCH}",
+  assert fid.main(["--samples=dataset:embedded_mnist", "--split=test", "--image_size=24",
+                   "--max_images=8", f"--inception={inception['dir']}", f"--batch_size={BATCH}",
                    f"--save_stats={ref}", "--save_images=5"]) == 0
   cfg = pipeline.default_data_config()
-  cfg.update(max_eval_examples=16, eval_resize="resize")  # 28 px as they are
+  cfg.update(max_eval_examples=8, eval_resize="adm", image_size=24)
   digits = np.repeat(pipeline.load_eval_arrays(cfg, "test")["image"], 3, axis=-1)
-  want = gen.describe_images(digits, inception["fmodel"], inception["params"], BATCH)
+  (images, acts), = seen
+  np.testing.assert_array_equal(images, digits)
   with np.load(ref) as f:
-    assert f["arr_0"].shape == (5, 28, 28, 3)
+    assert f["arr_0"].shape == (5, 24, 24, 3)
     assert all(any((im == d).all() for d in digits) for im in f["arr_0"])
-    np.testing.assert_allclose(f["mu"], want["mu"], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(f["sigma_s"], want["sigma_s"], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(f["mu"], acts["pool"].mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(f["sigma_s"], np.cov(acts["spatial"], rowvar=False), rtol=1e-4,
+                               atol=1e-6)
   capsys.readouterr()
   for args, why in ((["--samples=dataset:", "--image_size=28"], "write dataset:NAME"),
                     (["--samples=dataset:embedded_mnist"], "--image_size is required")):
