@@ -39,6 +39,18 @@ def test_padded_attention_equals_unpadded_forward_and_gradient(tokens, multiple)
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_einsum_attention_equals_xla_forward_and_gradient():
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  q, k, v = (jax.random.normal(r, (2, 50, 3, 8)) for r in keys[:3])
+  cotangent = jax.random.normal(keys[3], (2, 50, 3, 8))
+  loss = lambda impl: jax.grad(lambda q, k, v: jnp.sum(layers.attend(q, k, v, impl) * cotangent),
+                               argnums=(0, 1, 2))
+  np.testing.assert_allclose(layers.attend(q, k, v, "einsum"), _reference(q, k, v), rtol=1e-5,
+                             atol=1e-5)
+  for a, b in zip(loss("einsum")(q, k, v), loss("xla")(q, k, v)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_cudnn_pads_odd_token_counts_only():
   q = jnp.ones((1, 197, 2, 8), jnp.bfloat16)
   text = jax.jit(lambda q: layers.attend(q, q, q, "xla", layers.CUDNN_TOKEN_MULTIPLE)).lower(

@@ -21,7 +21,7 @@ import numpy as np
 
 Dtype = Any
 
-ATTENTION_IMPLS = (None, "xla", "cudnn")
+ATTENTION_IMPLS = (None, "xla", "cudnn", "einsum")
 # cuDNN flash attention has kernels for these compute dtypes only.
 CUDNN_DTYPES = ("bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_context")
@@ -109,6 +109,8 @@ def attend(q, k, v, implementation: Optional[str] = None, multiple: Optional[int
   ``key_value_seq_lengths``: padded keys are masked out of every softmax, padded query rows are
   dropped, so the result (and its gradient) is that of the unpadded attention.
   """
+  if implementation == "einsum":
+    return einsum_attention(q, k, v)
   t = q.shape[1]
   if multiple is None:
     multiple = CUDNN_TOKEN_MULTIPLE if implementation == "cudnn" else 1
@@ -121,6 +123,15 @@ def attend(q, k, v, implementation: Optional[str] = None, multiple: Optional[int
   out = jax.nn.dot_product_attention(q, k, v, query_seq_lengths=lengths,
                                      key_value_seq_lengths=lengths, implementation=implementation)
   return out[:, :t]
+
+
+def einsum_attention(q, k, v):
+  """The official MAE/SiT ``Attention`` written out, heads-major: ``(q k^T) D^-1/2``, softmax in
+  float32, ``@ v``; ``(N, T, H, D)`` in and out. ``attention_impl='einsum'``: the same numbers as
+  XLA's ``dot_product_attention`` in another op order (for CPU comparisons)."""
+  logits = jnp.einsum("nthd,nshd->nhts", q, k) * (q.shape[-1] ** -0.5)
+  weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v.dtype)
+  return jnp.einsum("nhts,nshd->nthd", weights, v)
 
 
 def layer_norm(name: Optional[str] = None, affine: bool = True, eps: float = 1e-6) -> nn.LayerNorm:
