@@ -91,7 +91,7 @@ def test_bench_from_trainer_puts_the_runs_timing_beside_its_own(run, tmp_path):
   out, prof = tmp_path / "b.jsonl", tmp_path / "prof"
   p = subprocess.run([sys.executable, "-m", "decay_jax.cli.bench", f"--from_trainer={run}",
                       "--steps=2", "--repeats=1", f"--out={out}", "--profile_steps=0,2",
-                      f"--profile_dir={prof}"],
+                      f"--profile_dir={prof}", "--torch", "--torch_profile"],
                      cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
   assert p.returncode == 0, p.stderr[-2000:]
   res = json.loads(out.read_text())
@@ -105,6 +105,19 @@ def test_bench_from_trainer_puts_the_runs_timing_beside_its_own(run, tmp_path):
   assert res["config"].endswith("config.json") and res["preset"] == "micro/4"
   s = trace_table.summarize(res["profile"])  # the bench's own trace of its two timed steps
   assert s["steps"] == 2 and s["op_ms"]["matmuls"] > 0 and s["input_ms"] == 0
+  # The PyTorch reference's ops in the same categories (--torch_profile): every category found.
+  torch_ms = res["torch_op_ms"]
+  assert list(torch_ms) == list(trace_table.CATEGORIES) and min(torch_ms.values()) > 0
+  np.testing.assert_allclose(res["speedup_vs_torch"],
+                             res["torch_step_seconds"] / res["step_seconds"], rtol=0.01)
+
+
+def test_torch_ops_fall_in_trace_tables_categories():
+  self_us = {"aten::addmm": 3000.0, "aten::bmm": 1000.0, "aten::_softmax": 500.0,
+             "aten::native_layer_norm": 200.0, "aten::copy_": 100.0, "aten::gelu": 300.0}
+  got = trace_table.torch_summary(self_us, 2, optimizer_ms=4.0)
+  assert got == {"matmuls": 1.5, "attention": 0.75, "norms": 0.1, "transposes/copies": 0.05,
+                 "other": 0.15, "optimizer": 4.0}
 
 
 def test_category_and_part_rules_on_named_ops():

@@ -45,7 +45,7 @@ from decay_jax import sharding as shd
 from decay_jax.cli import errors
 from decay_jax.models import flops
 from decay_jax.models import mae as mae_lib
-from decay_jax.perf import memory
+from decay_jax.perf import memory, trace_table
 from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import config as config_lib
 from decay_jax.train import profiling, writers
@@ -63,6 +63,10 @@ _COMPILE_ONLY = flags.DEFINE_bool("compile_only", False, "Only lower + compile o
 _FAKE_DEVICES = flags.DEFINE_integer("fake_devices", 0, "Fake CPU devices (0: this machine's).")
 _CHANNELS = flags.DEFINE_integer("channels", 0, "Input channels (0: 3 for MAE, 4 for SiT).")
 _TORCH = flags.DEFINE_bool("torch", False, "Also time the PyTorch reference (CPU, fp32).")
+_TORCH_PROFILE = flags.DEFINE_bool(
+    "torch_profile", False, "With --torch: also profile --steps of the reference (torch.profiler) "
+    "and print its ms per step in trace_table's categories, to set beside trace_table's of a "
+    "--profile_steps trace of ours.")
 _OUT = flags.DEFINE_string("out", None, "Append the result as one JSON line to this file.")
 _FROM_TRAINER = flags.DEFINE_string(
     "from_trainer", None, "A run's workdir: its logged step times, then the bench of its config.")
@@ -128,8 +132,11 @@ def time_steps(compiled, state, data, steps: int, repeats: int, profiler):
   return state, walls, cpus
 
 
-def torch_reference_seconds(config, model, batch: int, steps: int) -> float:
-  """Seconds per train step of the PyTorch reference (tests/torch_reference.py) on CPU."""
+def torch_reference_seconds(config, model, batch: int, steps: int, profile: bool = False):
+  """``(seconds per train step, ms per step by category or None)`` of the PyTorch reference
+  (tests/torch_reference.py) on CPU; with ``profile``, ``steps`` more steps under torch.profiler
+  (forward and backward; the optimizer's step timed apart) summed by
+  ``trace_table.torch_summary``."""
   tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests")
   if not os.path.isfile(os.path.join(tests, "torch_reference.py")):
     raise ValueError("--torch is not allowed here; it needs a checkout of decay-jax (it runs "
@@ -168,7 +175,20 @@ def torch_reference_seconds(config, model, batch: int, steps: int) -> float:
   t = time.perf_counter()
   for _ in range(steps):
     one()
-  return (time.perf_counter() - t) / steps
+  seconds = (time.perf_counter() - t) / steps
+  if not profile:
+    return seconds, None
+  from torch.profiler import ProfilerActivity
+  with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
+    for _ in range(steps):
+      opt.zero_grad(set_to_none=True)
+      loss_fn().backward()
+  t = time.perf_counter()
+  for _ in range(steps):
+    opt.step()
+  optimizer_ms = (time.perf_counter() - t) / steps * 1e3
+  self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+  return seconds, trace_table.torch_summary(self_us, steps, optimizer_ms)
 
 
 def main(argv):
@@ -268,9 +288,12 @@ def main(argv):
     if trained:  # above 1: the bench's step is slower than the trainer's logged one
       res["bench_over_trainer"] = round(sec / trained["trainer_step_seconds"], 3)
     if _TORCH.value:
-      tsec = torch_reference_seconds(config, model, batch, _STEPS.value)
+      tsec, ops = torch_reference_seconds(config, model, batch, _STEPS.value,
+                                          _TORCH_PROFILE.value)
       res.update(torch_step_seconds=round(tsec, 5), torch_images_per_sec=round(batch / tsec, 1),
                  speedup_vs_torch=round(tsec / sec, 3))
+      if ops is not None:
+        res["torch_op_ms"] = {c: round(v, 2) for c, v in ops.items()}
   for k, v in res.items():
     print(f"{k:>32}: {v}")
   if _OUT.value:

@@ -221,3 +221,36 @@ def format_table(s: dict) -> str:
   for p, v in s["part_ms"].items():
     lines.append(f"| {p} | {v:.1f} | {pct(v)} |")
   return "\n".join(lines)
+
+
+# PyTorch's ops (torch.profiler names) in the same categories, for ``bench --torch_profile``: the
+# reference's linear layers are addmm/mm, its attention the only bmm (``q @ k^T``, ``@ v``) plus
+# softmax, its norms layer_norm; its optimizer is timed apart (the step outside the profile).
+_TORCH_OPS = {
+    "matmuls": ("aten::addmm", "aten::mm", "aten::convolution", "aten::mkldnn_convolution",
+                "aten::convolution_backward"),
+    "attention": ("aten::bmm", "aten::_softmax", "aten::_softmax_backward_data"),
+    "norms": ("aten::native_layer_norm", "aten::native_layer_norm_backward"),
+    "transposes/copies": ("aten::copy_", "aten::clone", "aten::cat", "aten::gather",
+                          "aten::scatter", "aten::index", "aten::index_select", "aten::repeat",
+                          "aten::_unsafe_view", "aten::contiguous", "aten::transpose",
+                          "aten::permute", "aten::expand", "aten::view", "aten::reshape"),
+}
+
+
+def torch_category(name: str) -> str:
+  """The ``CATEGORIES`` entry of a torch.profiler op name (``other`` when none claims it)."""
+  for c, names in _TORCH_OPS.items():
+    if name in names:
+      return c
+  return "other"
+
+
+def torch_summary(self_us: Dict[str, float], steps: int, optimizer_ms: float) -> Dict[str, float]:
+  """Milliseconds per step by category of PyTorch's self CPU time per op name (``self_us``,
+  microseconds over ``steps`` profiled steps of forward and backward) and the optimizer's step."""
+  out = {c: 0.0 for c in CATEGORIES}
+  for name, us in self_us.items():
+    out[torch_category(name)] += us / 1e3 / steps
+  out["optimizer"] += optimizer_ms
+  return out
