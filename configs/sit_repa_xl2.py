@@ -1,9 +1,11 @@
 """REPA's SiT-XL/2 recipe (Yu et al. 2024, sihyun-yu/REPA; docs/repa.md): a plain SiT-XL/2 whose
 block-8 tokens are aligned with DINOv2-B/14 patch tokens, ImageNet 256x256 as SD-VAE latents.
 
-Command (latents extracted once into $LATENTS, format in decay_jax/data/latents.py; the DINOv2-B
-targets stored beside them as repa_target_0, or a DINOv2 params directory in repa.encoder with the
-pixels in the batch: docs/repa.md "Targets"):
+Command (latents extracted once into $LATENTS with the DINOv2-B targets stored beside them as
+repa_target_0, format in decay_jax/data/latents.py; $DINOV2 converted once by
+`python -m decay_jax.cli.convert_external dinov2`: docs/dinov2.md, docs/repa.md "Targets"):
+  python -m decay_jax.cli.extract_latents --images=$IMAGENET_TRAIN --vae=$VAE --out=$LATENTS \
+      --image_size=256 --repa_encoder=$DINOV2
   python -m decay_jax.cli.train --config=configs/sit_repa_xl2.py --workdir=$WORKDIR \
       --config.data.dataset=latents:$LATENTS
 Hardware: REPA trained on 8 H100 (fp16 autocast, batch 256); any device count dividing 256 works

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -115,14 +116,42 @@ def test_extraction_round_trip_and_resume(folder, tmp_path, capsys):
 
 
 def test_pipeline_extract_train_sample_fid(folder, tmp_path):
+  """Latents with REPA's targets stored beside them (a tiny MAE as the encoder: 4x4 tokens of the
+  64 px crop, as the SiT's 4x4 latent tokens), a REPA SiT trained on them, sampled, scored."""
+  from decay_jax.data import latents as latents_lib
+  from decay_jax.models import mae as mae_lib
+  from decay_jax.train import repa as repa_lib
   latents, work = tmp_path / "latents", tmp_path / "run"
-  assert extract(folder, latents) == 0
+  enc = mae_lib.MaskedAutoencoder(img_size=64, patch_size=16, in_chans=3, dim=8, depth=2,
+                                  num_heads=1, decoder_dim=8, decoder_depth=1, decoder_num_heads=1)
+  enc_params = enc.init({"params": jax.random.key(4), "masking": jax.random.key(5)},
+                        jnp.zeros((1, 64, 64, 3)))["params"]
+  checkpoint.save_params(str(tmp_path / "enc"), enc_params, enc)
+  assert extract(folder, latents, f"--repa_encoder={tmp_path / 'enc'}") == 0
+  targets = np.concatenate([np.load(latents / f"train_repa_target_0_{i:05d}.npy")
+                            for i in range(3)])
+  assert targets.shape == (NUM_IMAGES, 2, 16, 8) and targets.dtype == np.float16
+  files, _, _ = ex.list_labelled_images(str(folder / "images"))
+  img = ex.load_cropped(files[5], 64)
+  want = repa_lib.encoder_for(enc).tokens(enc_params, np.stack([img, img[:, ::-1]]))
+  np.testing.assert_allclose(targets[5].astype(np.float32), np.asarray(want), rtol=2e-3,
+                             atol=2e-3)
+  # The source gives each drawn latent the targets of its own version (original or flip).
+  records = latents_lib.LatentRecords(str(latents), "train")
+  example = latents_lib.LatentTrainExample(records, SimpleNamespace(position=lambda j: j), 0,
+                                           True, lambda p: p)
+  for j in range(4):
+    got = example(j)
+    z = np.load(latents / "train_latents_00000.npy")[j].astype(np.float32)
+    version = int(np.argmin([np.abs(z[v] - got["image"]).max() for v in (0, 1)]))
+    np.testing.assert_array_equal(got["repa_target_0"], targets[j, version].astype(np.float32))
   c = override(load_config("sit_cpu_latents"), **{
       "data.dataset": f"latents:{latents}", "model.preset": "micro/2", "batch_size": 8,
       "num_train_steps": 3, "log_every_steps": 1, "picture_every_steps": 0,
-      "checkpoint.every_steps": 100, "checkpoint.async_save": False, "mesh.data": 1})
+      "checkpoint.every_steps": 100, "checkpoint.async_save": False, "mesh.data": 1,
+      "model.repa_depth": 2, "model.repa_dims": (8,), "model.repa_hidden": 16})
   res = trainer.train_and_evaluate(c, str(work), evaluators=registry.build)
-  assert res["step"] == 3 and np.isfinite(res["loss"])
+  assert res["step"] == 3 and np.isfinite(res["loss"]) and -1 <= res["loss_proj"] <= 1
 
   p = subprocess.run([sys.executable, "-m", "decay_jax.cli.sample", f"--workdir={work}", "--num=6",
                       "--batch_size=4", "--steps=3", "--method=euler", f"--vae={folder / 'vae'}",

@@ -23,6 +23,12 @@ by position, random access for the per-epoch permutation, no RAM to open 1.28M l
 dependency), and a shard is complete exactly when its file exists (written under a temporary name,
 then renamed): rerunning the command skips finished shards, so extraction is resumable.
 
+``--repa_encoder``: also store REPA's targets beside each shard (``{split}_repa_target_0_{i:05d}.npy``,
+``(n, 2, T, D)`` for the original and the flipped image, ``--dtype``): the patch tokens of a
+frozen encoder (a converted DINOv2 params directory, or an MAE, ``decay_jax.train.repa``) of the
+same cropped uint8 image, so that ``configs/sit_repa_xl2.py`` trains on the latents without an
+encoder in the step; the latent source delivers them as ``repa_target_0`` with the latent's version.
+
 Parallelism: shard ``i`` is written by process ``i % process_count``; within a process each batch
 is split over the local devices. Progress and ETA are printed.
 """
@@ -43,8 +49,10 @@ from decay_jax.data import augment
 from decay_jax.data import latents as latents_lib
 from decay_jax.evals.generation import IMAGE_EXTENSIONS, list_images, Progress
 from decay_jax.train import checkpoint
+from decay_jax.train import repa as repa_lib
 
-META_KEYS = ("image_size", "scale", "shard_size", "num_images", "seed", "split", "latent_shape")
+META_KEYS = ("image_size", "scale", "shard_size", "num_images", "seed", "split", "latent_shape",
+             "repa_encoder", "repa_shape")
 
 
 def load_cropped(path: str, image_size: int) -> np.ndarray:
@@ -102,6 +110,21 @@ def make_encoder(vae, mesh, seed: int):
   return jax.jit(encode, in_shardings=(None, sharding, sharding), out_shardings=sharding), sharding
 
 
+def make_targets(encoder, mesh):
+  """jitted ``(params, images uint8 (B, S, S, 3)) -> (B, 2, T, D)``: REPA's targets of the images
+  and of their left-right flips."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  sharding = NamedSharding(mesh, P(mesh.axis_names))
+
+  def targets(params, images):
+    both = [encoder.tokens(params, images), encoder.tokens(params, images[:, :, ::-1])]
+    return jnp.stack(both, axis=1)
+
+  return jax.jit(targets, in_shardings=(None, sharding), out_shardings=sharding)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   p = validate.ArgumentParser(prog="python -m decay_jax.cli.extract_latents",
                               description=__doc__.split("\n")[0])
@@ -116,6 +139,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--dtype", choices=("float16", "float32"), default="float16",
                  help="storage dtype of the latents")
   p.add_argument("--workers", type=int, default=8, help="threads decoding and cropping images")
+  p.add_argument("--repa_encoder", default="",
+                 help="also store REPA's targets of this encoder (DINOv2 or MAE params directory)")
+  p.add_argument("--repa_normalize", default="imagenet",
+                 help="the pixel normalisation an MAE encoder was trained with (DINOv2: REPA's)")
   a = p.parse_args(argv)
 
   logs.quiet_libraries()
@@ -138,6 +165,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.image_size % f:
       raise ValueError(f"image_size={a.image_size} is not allowed; it must be a multiple of the "
                        f"VAE's downsampling factor {f}")
+    encoder = None
+    if a.repa_encoder:
+      encoder, enc_params = repa_lib.load_encoder(a.repa_encoder, a.repa_normalize)
+      probe = jax.eval_shape(encoder.tokens, enc_params,
+                             jax.ShapeDtypeStruct((1, a.image_size, a.image_size, 3), np.uint8))
     files, labels, classes = list_labelled_images(a.images)
     meta = dict(image_size=a.image_size, scale=float(vae.scaling_factor), shard_size=a.shard_size,
                 num_images=len(files), seed=a.seed, split=a.split,
@@ -145,13 +177,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 vae=str(paths.resolve(a.vae)), images=str(paths.resolve(a.images)), classes=classes,
                 crop="ADM center_crop_arr", flips="index 1 of axis 1 is the left-right flip",
                 latent="vae.encode(x).latent_dist.sample() * scale")
+    if encoder is not None:
+      meta.update(repa_encoder=str(paths.resolve(a.repa_encoder)),
+                  repa_shape=[2] + list(probe.shape[1:]))
     meta_path = paths.join(a.out, f"meta_{a.split}.json" if a.split != "train" else "meta.json")
     if paths.exists(meta_path):
       old = paths.read_json(meta_path)
-      changed = [k for k in META_KEYS if old.get(k) != meta[k]]
+      changed = [k for k in META_KEYS if old.get(k) != meta.get(k)]
       if changed:
         raise ValueError(f"out={a.out!r} is not allowed; it holds latents made with other "
-                         f"settings ({', '.join(f'{k}: {old.get(k)} != {meta[k]}' for k in changed)}); "
+                         f"settings ({', '.join(f'{k}: {old.get(k)} != {meta.get(k)}' for k in changed)}); "
                          "use a new directory")
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
@@ -164,6 +199,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   batch = max(per, (a.batch_size // per) * per)
   encode, sharding = make_encoder(vae, mesh, a.seed)
   params = jax.device_put(params, NamedSharding(mesh, P()))  # replicated on the local devices
+  if encoder is not None:
+    targets_of = make_targets(encoder, mesh)
+    enc_params = jax.device_put(enc_params, NamedSharding(mesh, P()))
   num_shards = -(-len(files) // a.shard_size)
   mine = [s for s in range(num_shards) if s % jax.process_count() == jax.process_index()]
   todo = [s for s in mine if not paths.exists(shard_paths(a.out, a.split, s)[0])]
@@ -180,6 +218,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for s in todo:
       lo, hi = s * a.shard_size, s * a.shard_size + size(s)
       out = np.empty((hi - lo,) + tuple(meta["latent_shape"]), a.dtype)
+      targets = ([np.empty((hi - lo,) + tuple(meta["repa_shape"]), a.dtype)]
+                 if encoder is not None else [])
       for start in range(lo, hi, batch):
         stop = min(hi, start + batch)
         images = np.stack(list(pool.map(lambda fn: load_cropped(fn, a.image_size),
@@ -188,11 +228,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if len(images) < batch:  # pad the last batch: one compiled program for all batches
           images = np.concatenate([images, np.zeros((batch - len(images),) + images.shape[1:],
                                                     np.uint8)])
-        z = encode(params, jax.device_put(images, sharding), jax.device_put(idx, sharding))
+        on_devices = jax.device_put(images, sharding)
+        z = encode(params, on_devices, jax.device_put(idx, sharding))
         out[start - lo:stop - lo] = np.asarray(jax.device_get(z))[:stop - start]
+        if targets:
+          y = targets_of(enc_params, on_devices)
+          targets[0][start - lo:stop - lo] = np.asarray(jax.device_get(y))[:stop - start]
         done += stop - start
         progress.update(done, already)
-      latents_lib.write_shard(a.out, a.split, s, out, labels[lo:hi])
+      latents_lib.write_shard(a.out, a.split, s, out, labels[lo:hi], targets)
   print(f"wrote {len(todo)} shards to {a.out} in {time.perf_counter() - t0:.1f} s "
         f"(latents {tuple(meta['latent_shape'])} per image, {a.dtype})", flush=True)
   return 0

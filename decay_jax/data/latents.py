@@ -5,6 +5,9 @@ Format (written by the latent-extraction tool, or by ``write_shard`` below):
     DIR/{split}_latents_{i:05d}.npy   float16 or float32, (n_i, H, W, C) or (n_i, 2, H, W, C)
     DIR/{split}_labels_{i:05d}.npy    int32/int64, (n_i,)
     DIR/meta.json                     optional: {"scale": 0.18215, "vae": "...", ...}
+    DIR/{split}_repa_target_{I}_{i:05d}.npy   optional: REPA's targets of each image, (n_i, T, D)
+                                      or (n_i, 2, T, D) as the latents (``--repa_encoder`` of the
+                                      extraction tool); delivered as ``repa_target_I``
 
 Latents are stored already multiplied by the VAE scale (0.18215 for sd-vae-ft-ema), as the official
 SiT trains on ``vae.encode(x).latent_dist.sample() * 0.18215``. A 5-D array holds two versions of
@@ -28,6 +31,7 @@ from decay_jax.data import augment
 
 PREFIX = "latents:"
 _SHARD_RE = re.compile(r"^(?P<split>[a-z]+)_latents_(?P<idx>\d{5})\.npy$")
+TARGET = "repa_target_{}"  # the batch key (and file infix) of REPA's stored target I
 
 
 def path_of(dataset: str):
@@ -58,6 +62,23 @@ class Split:
     self.offsets = np.cumsum([0] + [len(y) for y in self.labels])
     self.flipped = self.latents[0].ndim == 5
     self.shape = self.latents[0].shape[-3:]
+    self.targets = []  # per stored REPA target: its shards, (n, [2,] T, D)
+    while True:
+      infix = "_" + TARGET.format(len(self.targets)) + "_"
+      found = [f.replace("_latents_", infix) for f in files]
+      have = [paths.exists(f) for f in found]
+      if not any(have):
+        break
+      if not all(have):
+        missing = found[have.index(False)]
+        raise ValueError(f"{missing} is missing: every shard of split {split!r} needs its REPA "
+                         "targets, or none (rerun the extraction with --repa_encoder)")
+      shards = [paths.load_numpy(f, mmap=True) for f in found]
+      for f, t, y in zip(found, shards, self.labels):
+        if t.ndim != (4 if self.flipped else 3) or len(t) != len(y):
+          raise ValueError(f"{f}: expected {'(n, 2, T, D)' if self.flipped else '(n, T, D)'} "
+                           f"targets for {len(y)} latents, got {t.shape}")
+      self.targets.append(shards)
 
   def __len__(self) -> int:
     return int(self.offsets[-1])
@@ -121,24 +142,37 @@ class LatentRecords:
     row = int(index) - int(split.offsets[shard])
     return np.asarray(split.latents[shard][row], np.float32), int(split.labels[shard][row])
 
+  def targets(self, index: int) -> List[np.ndarray]:
+    """REPA's stored targets of record ``index`` (float32, ``(T, D)`` or ``(2, T, D)``)."""
+    split = self._get()
+    shard = int(np.searchsorted(split.offsets, index, side="right")) - 1
+    row = int(index) - int(split.offsets[shard])
+    return [np.asarray(t[shard][row], np.float32) for t in split.targets]
+
 
 class LatentTrainExample:
   """``j -> {'image': float32 (H, W, C), 'label': int32}``: one latent, the flipped version with
-  probability 1/2 when the shards hold both (and ``flip``)."""
+  probability 1/2 when the shards hold both (and ``flip``); with stored REPA targets also
+  ``repa_target_I`` float32 ``(T, D)`` of the same version."""
 
   def __init__(self, records: LatentRecords, layout, seed: int, flip: bool, order):
     self.records, self.layout, self.seed, self.flip, self.order = records, layout, seed, flip, order
 
   def __call__(self, j: int) -> dict:
     position = self.layout.position(j)
-    latent, label = self.records[self.order(position)]
+    index = self.order(position)
+    latent, label = self.records[index]
+    version = None
     if latent.ndim == 4:
       version = 0
       if self.flip:
         version = int(np.random.default_rng(np.random.SeedSequence(
             [augment.seed_words(self.seed), FLIP_STREAM, position])).integers(0, 2))
       latent = latent[version]
-    return {"image": latent, "label": np.int32(label)}
+    out = {"image": latent, "label": np.int32(label)}
+    for i, t in enumerate(self.records.targets(index)):
+      out[TARGET.format(i)] = t if version is None else t[version]
+    return out
 
 
 def load_eval_arrays(data_cfg, split_name: str) -> Dict[str, np.ndarray]:
@@ -149,10 +183,13 @@ def load_eval_arrays(data_cfg, split_name: str) -> Dict[str, np.ndarray]:
 
 
 def write_shard(directory: str, split: str, index: int, latents: np.ndarray,
-                labels: np.ndarray) -> List[str]:
-  """Writes one shard in the format above (atomically: temporary name, then rename)."""
+                labels: np.ndarray, targets=()) -> List[str]:
+  """Writes one shard in the format above (atomically: temporary name, then rename), REPA's
+  ``targets`` (a list, target I at I) before the latents, whose file marks the shard complete."""
   written = []
-  for kind, arr in (("labels", np.asarray(labels)), ("latents", np.asarray(latents))):
+  files = [("labels", np.asarray(labels))]
+  files += [(TARGET.format(i), np.asarray(t)) for i, t in enumerate(targets)]
+  for kind, arr in files + [("latents", np.asarray(latents))]:
     final = paths.resolve(directory) / f"{split}_{kind}_{index:05d}.npy"
     if paths.is_uri(final):  # an object appears whole when its upload ends
       paths.save_npy(final, arr)

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from decay_jax import paths, validate
 from decay_jax import sharding as shd
 from decay_jax.data import augment, on_device
+from decay_jax.data import latents as latents_lib
 from decay_jax.data import config as data_config
 from decay_jax.models import dinov2 as dinov2_lib
 from decay_jax.models import mae as mae_lib
@@ -38,7 +39,7 @@ from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import pretrained
 
 NORM_EPS = 1e-12  # torch.nn.functional.normalize
-TARGET = "repa_target_{}"
+TARGET = latents_lib.TARGET  # "repa_target_{}": a latent source delivers the stored ones
 PIXELS = "repa_pixels"
 
 
