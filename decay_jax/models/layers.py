@@ -164,9 +164,11 @@ class Attention(nn.Module):
                    bias_init=zeros, name="qkv")(x)
     qkv = qkv.reshape(n, t, 3, self.num_heads, c // self.num_heads)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    # The keys, heads concatenated (N, T, C), kept only when the caller makes 'keys' mutable
-    # (segmentation's key features, as deep spectral methods read them from the qkv output).
-    self.sow("keys", "k", k.reshape(n, t, c))
+    # The keys, heads concatenated (N, T, C), kept only when an apply makes 'keys' mutable
+    # (segmentation's key features, as deep spectral methods read them from the qkv output);
+    # never at init, whose variables would otherwise hold them.
+    if self.is_mutable_collection("keys") and not self.is_initializing():
+      self.sow("keys", "k", k.reshape(n, t, c))
     impl = resolve_attention(self.implementation, self.dtype, t, c // self.num_heads)
     out = checkpoint_name(attend(q, k, v, impl), "context")
     return nn.Dense(c, dtype=self.dtype, kernel_init=self.proj_init, bias_init=zeros,
