@@ -6,6 +6,17 @@ import sys
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # see decay_jax/cli/__init__.py
+# Many tests train the same tiny models (resume against uninterrupted, one device count against
+# another, a command in a subprocess): each trainer call jits afresh, so XLA would compile the same
+# program again. One compilation cache for the session's processes (xdist workers and the
+# subprocesses they start inherit these variables) compiles it once. Size-bounded, which also makes
+# JAX lock the folder (filelock) while two workers read and write it.
+_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache",
+                      "jax_compilation")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
