@@ -1,8 +1,8 @@
 """Hyper-connections (models/hyper.py, docs/residual_forms.md): ``n`` residual streams per token.
 
-By hand on depth-2 MAE and SiT models with random weights (static and dynamic); the initial
+By hand on depth-2 MAE, SiT and U-ViT models with random weights (static and dynamic); the initial
 connections (``n = 1`` is the plain model exactly; ``n = 4`` keeps the streams equal); parameter
-counts; one-line refusals; three train steps of MAE and SiT move the connections. The helpers are
+counts; one-line refusals; train steps of MAE, SiT and U-ViT move the connections. The helpers are
 those of test_residual_forms.py.
 """
 
@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decay_jax.io import official
+from decay_jax.io import convert_uvit, official
 from decay_jax.io.rules import ConversionError
-from decay_jax.models import hyper
+from decay_jax.models import flops, hyper
 from decay_jax.models import mae as mae_lib
 from decay_jax.models import sit as sit_lib
 from decay_jax.models import uvit as uvit_lib
@@ -23,6 +23,7 @@ from decay_jax.train import optim, setup
 from test_residual_forms import _attn, _dense, _ln, _mlp, _random, _train_steps
 from test_sit_train import tiny_sit_config
 from test_train import tiny_config
+from test_uvit_train import tiny as tiny_uvit_config
 
 
 # ----- hyper-connections (models/hyper.py) --------------------------------------------------------
@@ -46,12 +47,12 @@ def _hyper_weights(params, prefix="hyper_"):
   return {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
 
 
-def _hyper_block(p, l, H, alpha, w, wl, heads=2, mod=None):
+def _hyper_block(p, l, H, alpha, w, wl, heads=2, mod=None, eps=1e-6):
   """A pre-norm block by hand on the streams (``wl``: the block's index in ``w``)."""
   blk = jax.tree_util.tree_map(lambda v: np.asarray(v, np.float64)[l], p)
   for s, name in enumerate(("attn", "mlp")):
     def f(h, s=s):
-      h = _ln(h, blk.get(f"norm{s + 1}"))
+      h = _ln(h, blk.get(f"norm{s + 1}"), eps)
       if mod is not None:
         shift, scale, gate = mod[3 * s: 3 * s + 3]
         h = h * (1 + scale[:, None]) + shift[:, None]
@@ -116,6 +117,43 @@ def test_sit_hyper_connections_by_hand_on_a_depth_2_model(form):
   np.testing.assert_allclose(out, H, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("form", HYPER)
+def test_uvit_hyper_connections_by_hand_on_a_depth_2_model(form):
+  """In-block, mid-block, out-block (U-ViT LN eps 1e-5, no qkv bias); the out-block's long skip
+  replaces every stream as U-ViT replaces its one, beside the mean of the in-block's streams:
+  ``H_i <- W [H_i ; s / n] + b``; the connections' sublayer index runs in -> mid -> out."""
+  n = 3
+  model = uvit_lib.UViT(img_size=8, patch_size=4, in_chans=1, dim=8, depth=2, num_heads=2,
+                        residual=Residual(alpha_min=0.6, hyper_connections=form, hyper_rate=n))
+  x, t = jax.random.normal(jax.random.key(0), (3, 8, 8, 1)), jnp.array([0.1, 0.5, 0.9])
+  params = _random(model.init(jax.random.key(2), x, t)["params"])
+  tokens = model.apply({"params": params}, x, t, method=lambda m, x, t: m.embed(x, t))
+  final, in_outs, mid, out_outs = model.apply(
+      {"params": params}, x, t, method=lambda m, x, t: m.run_blocks(m.embed(x, t)))
+  p = jax.tree_util.tree_map(lambda v: np.asarray(v, np.float64), params)
+  w, a = _hyper_weights(params), model.shortcuts.alphas  # (3, 2, ...): in0, mid, out0
+  H = np.repeat(np.asarray(tokens, np.float64)[:, :, None], n, axis=2)
+  H = _hyper_block(p["in_blocks"], 0, H, a[0], w, 0, eps=1e-5)
+  s = H.sum(2)
+  np.testing.assert_allclose(in_outs[0], s, rtol=1e-4, atol=1e-4)
+  mid_p = jax.tree_util.tree_map(lambda v: v[None], p["mid_block"])
+  H = _hyper_block(mid_p, 0, H, a[1], w, 1, eps=1e-5)
+  np.testing.assert_allclose(mid, H.sum(2), rtol=1e-4, atol=1e-4)
+  skip = jax.tree_util.tree_map(lambda v: v[0], p["out_blocks"]["skip_linear"])
+  H = _dense(np.concatenate([H, np.broadcast_to(s[:, :, None] / n, H.shape)], -1), skip)
+  H = _hyper_block(p["out_blocks"], 0, H, a[2], w, 2, eps=1e-5)
+  np.testing.assert_allclose(out_outs[0], H.sum(2), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(final, H.sum(2), rtol=1e-4, atol=1e-4)
+  init = model.init(jax.random.key(2), x, t)["params"]["hyper_static_alpha"]
+  assert init.shape == (3, 2, n, 1 + n)  # out0's MLP is sublayer 5: A_m at stream 5 mod 3
+  np.testing.assert_array_equal(init[2, 1, :, 0], np.eye(n)[5 % n])
+  # FLOPs (models/flops.py): W_x on each of the n streams, W_s once: (n + 1) D^2 per skip token
+  s2 = uvit_lib.uvit("S/2")
+  s2_hc = uvit_lib.uvit("S/2", residual=Residual(hyper_connections=form))  # n = 4
+  extra = 2 * s2.half * (s2.extras + s2.num_patches) * 512 ** 2 * (4 + 1 - 2)
+  assert flops.uvit_forward_flops(s2_hc) - flops.uvit_forward_flops(s2) == extra
+
+
 def _without_hyper(params):
   return {k: v for k, v in params.items() if not k.startswith("hyper_")}
 
@@ -146,6 +184,25 @@ def test_hyper_connections_at_init_equal_the_plain_model(form):
   np.testing.assert_allclose(hc.apply({"params": params}, sx, t, y),
                              plain.apply({"params": _without_hyper(params)}, sx, t, y),
                              rtol=1e-5, atol=1e-5)
+  # U-ViT's long skip reads the mean of the streams, so at n = 4 too every stream stays the plain
+  # one: every block output (in, mid, out, and the final stream) is 4 times the plain model's
+  ux = jax.random.normal(jax.random.key(0), (3, 8, 8, 1))
+  kw = dict(img_size=8, patch_size=4, in_chans=1, dim=8, depth=4, num_heads=2)
+  plain = uvit_lib.UViT(residual=Residual(alpha_min=0.6), **kw)
+  blocks = lambda m, x, t: m.run_blocks(m.embed(x, t))  # noqa: E731
+  for n in (1, 4):
+    hc = uvit_lib.UViT(residual=Residual(alpha_min=0.6, hyper_connections=form, hyper_rate=n),
+                       **kw)
+    init = hc.init(jax.random.key(2), ux, t)["params"]
+    params = dict(_random(_without_hyper(init)), **_hyper_weights(init, ""))
+    got = hc.apply({"params": params}, ux, t, method=blocks)
+    want = plain.apply({"params": _without_hyper(params)}, ux, t, method=blocks)
+    for g, w in zip(got, want):
+      np.testing.assert_allclose(g, n * w, rtol=1e-5, atol=1e-6 * n)
+    if n == 1:  # the output too (at n = 4 the final norm's eps sees a 4 times larger stream)
+      np.testing.assert_allclose(hc.apply({"params": params}, ux, t),
+                                 plain.apply({"params": _without_hyper(params)}, ux, t),
+                                 rtol=1e-5, atol=1e-5)
 
 
 def test_hyper_connection_initial_values_and_parameter_counts():
@@ -191,13 +248,16 @@ def test_hyper_connection_refusals_are_one_line():
   for make, match in [
       (lambda: sit_lib.sit("micro/2", residual=spec, residual_routing="mirror"),
        "hyper_connections='static' is not allowed with residual_routing='mirror'"),
-      (lambda: uvit_lib.uvit("tiny/4", residual=spec),
-       "supported on MAE, SiT and the fine-tuning")]:
+]:
     with pytest.raises(ValueError, match=match) as err:
       make()
     assert "\n" not in str(err.value)
   with pytest.raises(ConversionError, match="hyper_connections='static' has no counterpart") as e:
     official.mae_to_torch({}, mae_lib.mae("micro/4", residual=spec))
+  assert "\n" not in str(e.value)
+  with pytest.raises(ConversionError, match="hyper_connections='static' has no counterpart in "
+                                            "U-ViT") as e:
+    convert_uvit.uvit_from_torch({}, uvit_lib.uvit("tiny/4", residual=spec))
   assert "\n" not in str(e.value)
 
 
@@ -236,12 +296,12 @@ def test_the_fine_tuning_vit_carries_the_maes_hyper_connections(form):
     assert mask["hyper_dynamic_alpha"] and mask["hyper_dynamic_beta"]
 
 
-@pytest.mark.parametrize("task", ["mae", "sit"])
+@pytest.mark.parametrize("task", ["mae", "sit", "uvit"])
 def test_train_steps_move_the_hyper_connections(task, form="dynamic"):
   """Dynamic (its static part is the static form's parameters): four steps move them (the
   official MAE's zero-initialised output layers keep the encoder's branches, and so beta's
   gradient, at 0 for the first three)."""
-  make = tiny_config if task == "mae" else tiny_sit_config
+  make = {"mae": tiny_config, "sit": tiny_sit_config, "uvit": tiny_uvit_config}[task]
   config = make(**{"model.hyper_connections": form, "model.alpha_min": 0.7})
   s = setup.build(config)
   state = s.init_state()

@@ -43,7 +43,8 @@ TRAIN_CONFIGS = ([(name, None) for name in ("mae_vit_b16", "mae_vit_l16", "mae_v
                     for form in ("norm_position=deepnorm", "drop_path=0.1")]
                  # hyper-connections, static and dynamic (4 streams)
                  + [(name, f"hyper_connections={form}") for name in ("mae_vit_b16", "sit_xl2")
-                    for form in ("static", "dynamic")])
+                    for form in ("static", "dynamic")]
+                 + [("uvit_s2_cifar100", "hyper_connections=dynamic")])
 # The sample command's default sampler (config.sample: ODE heun, CFG 4) per SiT size and for a
 # routed model, and the SDE sampler of its docstring.
 SAMPLE_CONFIGS = [("sit_b2", None, None), ("sit_xl2", None, None),

@@ -70,14 +70,17 @@ def sit_train_flops(m) -> float:
 
 def uvit_forward_flops(m) -> float:
   """Forward FLOPs of one example through ``UViT`` ``m``: ``2K + 1`` blocks on ``extras + N``
-  tokens, the long-skip Linears (``[x ; s]`` of width 2D, or D for 'add'), patch embedding, the
+  tokens, the long-skip Linears (``[x ; s]`` of width 2D, or D for 'add'; with hyper-connections
+  ``W_x`` on each of the ``n`` streams and ``W_s`` once: ``(n + 1) D^2``), patch embedding, the
   optional time MLP, ``decoder_pred`` on every token and the final 3x3 conv. S/2 at 32 px:
   24.4 GFLOP (docs/uvit.md 3.1)."""
   t, d = m.extras + m.num_patches, m.dim
   patch_dim = m.patch_size ** 2 * m.in_chans
+  res = m.block_residual
+  streams = res.hyper_rate if res.hyper else 1
   macs = m.num_patches * patch_dim * d
   macs += m.num_blocks * _block_macs(t, d, m.mlp_ratio)
-  macs += m.half * t * d * d * {"concat": 2, "add": 1, "none": 0}[m.skip_mode]
+  macs += m.half * t * d * d * {"concat": 1 + streams, "add": 1, "none": 0}[m.skip_mode]
   macs += 8 * d * d if m.mlp_time_embed else 0
   macs += t * d * patch_dim
   macs += m.img_size ** 2 * 9 * m.in_chans ** 2 if m.conv else 0

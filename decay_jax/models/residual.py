@@ -300,7 +300,8 @@ class Residual:
     return hyper.reduce(x) if self.hyper else x
 
   def inject(self, x, v):
-    """``x + v`` for a side input ``v (N, T, C)`` (SiT's long skips): added to every stream."""
+    """``x + v`` for a side input ``v (N, T, C)`` (the long skips of SiT, and of U-ViT's 'add'):
+    added to every stream."""
     return x + (v[..., None, :] if self.hyper else v).astype(x.dtype)
 
   def read(self, x, weights, s: int):

@@ -51,6 +51,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from decay_jax import validate
@@ -77,6 +78,32 @@ def dense(features: int, dtype: Dtype, name: Optional[str] = None,
   """A Linear with U-ViT's init (kernel N(0, 0.02^2), bias 0)."""
   return nn.Dense(features, use_bias=use_bias, dtype=dtype, kernel_init=kernel_init,
                   bias_init=layers.zeros, name=name)
+
+
+class SkipLinear(nn.Module):
+  """U-ViT's long skip ``x <- W [x ; s] + b``, Linear(2D, D) (``kernel (2D, D)``, ``bias (D,)``:
+  the torch ``skip_linear``, U-ViT's init), a replacement of the stream by a Linear of it and the
+  mirrored in-block's output ``s (B, T, D)``.
+
+  With hyper-connections (``streams = n``; ``x (B, T, n, D)``, ``s`` the sum of the in-block's
+  streams) every stream is replaced as U-ViT replaces its one, beside the mean of the source's
+  streams: ``H_i <- W_x H_i + (W_s s / n + b)`` (``W = [W_x ; W_s]``), the skip's half computed
+  once for all streams; equal streams stay equal, each the plain model's stream.
+  """
+  features: int
+  dtype: Dtype = jnp.float32
+  streams: int = 0
+
+  @nn.compact
+  def __call__(self, x, s):
+    d = x.shape[-1]
+    kernel = self.param("kernel", linear_init, (2 * d, self.features))
+    bias = self.param("bias", layers.zeros, (self.features,))
+    x, s, kernel, bias = nn.dtypes.promote_dtype(x, s, kernel, bias, dtype=self.dtype)
+    if not self.streams:  # nn.Dense's own computation on the concatenation
+      return jax.lax.dot_general(jnp.concatenate([x, s], axis=-1), kernel,
+                                 (((x.ndim - 1,), (0,)), ((), ()))) + bias
+    return x @ kernel[:d] + (s / self.streams @ kernel[d:] + bias)[..., None, :]
 
 
 def layer_norm(name: Optional[str] = None) -> nn.LayerNorm:
@@ -112,33 +139,35 @@ class UViTBlock(nn.Module):
   attention_impl: Optional[str] = None
 
   @nn.compact
-  def __call__(self, x, xs, drop_rate=0.0, drop_u=None):
+  def __call__(self, x, xs, drop_rate=0.0, drop_u=None, hyper=None):
     d = x.shape[-1]
     res = self.residual
     alpha = xs
     if self.skip_mode != "none":
       alpha, s = xs
-      skip_linear = dense(d, self.dtype, "skip_linear")
       if self.skip_mode == "concat":
-        x = skip_linear(jnp.concatenate([x, s], axis=-1)).astype(jnp.float32)
+        x = SkipLinear(d, self.dtype, res.hyper_rate if res.hyper else 0, name="skip_linear")(
+            x, s).astype(jnp.float32)
       else:
-        x = x + skip_linear(s).astype(x.dtype)
+        x = res.inject(x, dense(d, self.dtype, "skip_linear")(s))
     last_init = res.scaled_init(layers.zeros if self.zero_init else linear_init)
     norm1, norm2 = layer_norm("norm1"), layer_norm("norm2")
+    x_in, conn = res.read(x, hyper, 0)
     h = layers.Attention(self.num_heads, self.dtype, last_init, self.attention_impl,
                          qkv_bias=self.qkv_bias,
                          qkv_init=res.scaled_init(linear_init, value_only=True),
-                         name="attn")(res.branch_input(norm1, x))
+                         name="attn")(res.branch_input(norm1, x_in))
     h = res.branch(self, "attn", drop_branch(self, h, drop_rate, drop_u, 0))
-    sow_branch_norms(self, "attn_norms", x, res.shortcut(alpha[0]), h)
-    x = res.add(x, alpha[0], h, norm1)
+    sow_branch_norms(self, "attn_norms", x_in, res.shortcut(alpha[0]), h)
+    x = res.add(x, alpha[0], h, norm1, conn)
+    x_in, conn = res.read(x, hyper, 1)
     h = layers.Mlp(int(d * self.mlp_ratio), approximate_gelu=False, dtype=self.dtype,
                    fc2_init=last_init, fc1_init=res.scaled_init(linear_init),
-                   name="mlp")(res.branch_input(norm2, x))
+                   name="mlp")(res.branch_input(norm2, x_in))
     h = res.branch(self, "mlp", drop_branch(self, h, drop_rate, drop_u, 1))
-    sow_branch_norms(self, "mlp_norms", x, res.shortcut(alpha[1]), h)
-    x = res.add(x, alpha[1], h, norm2)
-    return x, x
+    sow_branch_norms(self, "mlp_norms", x_in, res.shortcut(alpha[1]), h)
+    x = res.add(x, alpha[1], h, norm2, conn)
+    return x, res.reduce(x)
 
 
 class UViT(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
@@ -225,6 +254,8 @@ class UViT(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
       self.label_emb = nn.Embed(self.num_classes, d, embedding_init=layers.normal(1.0))
     self.pos_embed = self.param("pos_embed", linear_init, (1, self.extras + self.num_patches, d))
     self.alpha = self.block_residual.coefficients(self, self.num_blocks)  # (2K + 1, 2)
+    # None, or the hyper-connection weights (2K + 1, 2, ...) in block order in -> mid -> out
+    self.hyper = self.block_residual.hyper_weights(self, self.num_blocks, self.dim)
     common = dict(num_heads=self.num_heads, mlp_ratio=self.mlp_ratio, qkv_bias=self.qkv_bias,
                   zero_init=self.zero_init, residual=self.block_residual.at_depth(self.num_blocks),
                   dtype=self.dtype, attention_impl=self.attention_impl)
@@ -261,14 +292,18 @@ class UViT(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
     """All blocks on ``tokens (B, T, D)``: the final stream ``(B, T, D)``, the in-block outputs
     ``(K, B, T, D)`` (the long-skip sources), the mid output and the out-block outputs.
     ``drop_u (2K + 1, B, 2)``: the drop-path draws of training (``residual.drop_path``)."""
-    k = self.half
-    rates = jnp.asarray(self.block_residual.drop_path_rates(self.num_blocks))
+    k, res = self.half, self.block_residual
+    rates = jnp.asarray(res.drop_path_rates(self.num_blocks))
     u = (lambda i, j: None) if drop_u is None else (lambda i, j: drop_u[i:j])
-    h, in_outs = self.in_blocks(tokens, self.alpha[:k], rates[:k], u(0, k))
-    h, mid = self.mid_block(h, self.alpha[k], rates[k], None if drop_u is None else drop_u[k])
+    w = (lambda i: None) if self.hyper is None else (
+        lambda i: {name: v[i] for name, v in self.hyper.items()})
+    h, in_outs = self.in_blocks(res.expand(tokens), self.alpha[:k], rates[:k], u(0, k),
+                                w(slice(0, k)))
+    h, mid = self.mid_block(h, self.alpha[k], rates[k], None if drop_u is None else drop_u[k],
+                            w(k))
     xs = self.alpha[k + 1:] if self.skip_mode == "none" else (self.alpha[k + 1:], in_outs[::-1])
-    h, out_outs = self.out_blocks(h, xs, rates[k + 1:], u(k + 1, None))
-    return h, in_outs, mid, out_outs
+    h, out_outs = self.out_blocks(h, xs, rates[k + 1:], u(k + 1, None), w(slice(k + 1, None)))
+    return res.reduce(h), in_outs, mid, out_outs
 
   def block_outputs(self, x, t, y=None):
     """The residual stream after every block, in -> mid -> out: ``(2K+1, B, extras + N, D)``.
@@ -308,9 +343,6 @@ def validate_uvit_fields(m) -> None:
   validate.check_choice("skip_mode", m.skip_mode, SKIP_MODES)
   validate.check_choice("mode", m.mode, MODES)
   residual_lib.check_field(m)
-  if m.residual.hyper:
-    raise ValueError(f"hyper_connections={m.residual.hyper_connections!r} is not allowed here; "
-                     "hyper_connections is supported on MAE, SiT and the fine-tuning ViT only")
   fields.check_execution(m)
 
 
