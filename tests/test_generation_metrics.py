@@ -140,6 +140,15 @@ def test_spatial_feature_is_mixed_6d_branch1x1(inception):
   hook.remove()
   out = gen.inception_activations(inception["fmodel"], inception["params"], x, BATCH)
   assert out["spatial"].shape == (BATCH, inception_lib.SPATIAL_DIM) == (BATCH, 2023)
+  # the same images as a stream of uneven chunks, re-batched to the compiled batch
+  cut = [1, BATCH // 2 + 1]
+  stream = gen.ImageStream(BATCH, iter(np.split(x, cut)))
+  streamed = gen.inception_activations(inception["fmodel"], inception["params"], stream, BATCH)
+  for key in out:
+    np.testing.assert_array_equal(streamed[key], out[key])
+  with pytest.raises(ValueError, match=f"{BATCH - 1} images were read, {BATCH} were announced"):
+    gen.inception_activations(inception["fmodel"], inception["params"],
+                              gen.ImageStream(BATCH, iter([x[:-1]])), BATCH)
   want = nhwc(captured["x"])[..., :7].reshape(BATCH, -1)  # TF: spatial[..., :7], reshape([N, -1])
   scale = np.abs(want).max()
   assert scale > 0.5
@@ -240,7 +249,11 @@ def test_a_dataset_split_is_a_reference(tmp_path, capsys, inception, monkeypatch
   seen, real_activations = [], gen.inception_activations
 
   def activations(model, params, images, *args, **kwargs):
-    seen.append((np.array(images), real_activations(model, params, images, *args, **kwargs)))
+    assert isinstance(images, gen.ImageStream) and images.n == 8  # read as consumed
+    chunks = [np.array(c) for c in images.chunks]
+    images = gen.ImageStream(images.n, iter(chunks))
+    seen.append((np.concatenate(chunks), real_activations(model, params, images, *args,
+                                                           **kwargs)))
     return seen[-1][1]
 
   monkeypatch.setattr(gen, "inception_activations", activations)

@@ -47,6 +47,13 @@ def test_info_eval_and_flip_versions(tmp_path):
       assert matches
       seen[matches[0]] += 1
   assert 0.35 < seen[1] / (seen[0] + seen[1]) < 0.65  # both versions drawn about equally
+  # random access across the two shards (5 + 7 rows): the same rows as the concatenation
+  records = latents.LatentRecords(str(tmp_path), "train")
+  for i in range(12):
+    latent, label = records[i]
+    np.testing.assert_array_equal(latent, x[i].astype(np.float32))
+    assert label == y[i] and records.record(i)[2] == []  # no REPA targets stored
+  np.testing.assert_array_equal(records._get().locate(np.array([0, 4, 5, 11]))[1], [0, 4, 0, 6])
 
 
 def test_exact_resume_and_process_split(tmp_path):

@@ -52,9 +52,10 @@ def _needs_images(path: Optional[str]) -> bool:
 
 
 def dataset_images(spec: str, split: str, image_size: Optional[int], data_dir: Optional[str],
-                   max_images: int) -> np.ndarray:
-  """uint8 ``(N, S, S, 3)``: the first ``max_images`` (0: all) images of ``split`` of
-  ``dataset:NAME``, ADM's centre crop to ``image_size``, grey repeated to three channels."""
+                   max_images: int) -> gen.ImageStream:
+  """uint8 ``(N, S, S, 3)`` in chunks, read as the features are computed: the first
+  ``max_images`` (0: all) images of ``split`` of ``dataset:NAME``, ADM's centre crop to
+  ``image_size``, grey repeated to three channels."""
   name = spec[len(DATASET):]
   if not name:
     raise ValueError(f"{spec!r} is not allowed; write dataset:NAME with a data.dataset name, "
@@ -65,10 +66,15 @@ def dataset_images(spec: str, split: str, image_size: Optional[int], data_dir: O
   cfg = data_config.default_data_config()
   cfg.update(dataset=name, image_size=image_size, eval_resize="adm", data_dir=data_dir,
              max_eval_examples=max_images or None)
-  images = pipeline.load_eval_arrays(cfg, split)["image"]
-  if images.dtype != np.uint8:
-    raise ValueError(f"{spec!r} is not allowed; its source holds latents, not images")
-  return np.repeat(images, 3, axis=-1) if images.shape[-1] == 1 else images
+  n, chunks = pipeline.eval_stream(cfg, split)
+
+  def rgb():
+    for chunk in chunks:
+      images = chunk["image"]
+      if images.dtype != np.uint8:
+        raise ValueError(f"{spec!r} is not allowed; its source holds latents, not images")
+      yield np.repeat(images, 3, axis=-1) if images.shape[-1] == 1 else images
+  return gen.ImageStream(n, rgb())
 
 
 def _describe(path: str, a, model, params, keep: int, what: str):

@@ -22,7 +22,7 @@ the uninterrupted stream exactly, as for every other source.
 from __future__ import annotations
 
 import re
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -83,14 +83,19 @@ class Split:
   def __len__(self) -> int:
     return int(self.offsets[-1])
 
+  def locate(self, indices):
+    """``(shard, row)`` of global rows ``indices`` (an int, or an array: arrays of both)."""
+    shard = np.searchsorted(self.offsets, indices, side="right") - 1
+    return shard, indices - self.offsets[shard]
+
   def gather(self, indices: np.ndarray, versions: np.ndarray) -> Dict[str, np.ndarray]:
     """Rows ``indices`` (global), using version ``versions`` (0 original, 1 flipped) if present."""
-    shard = np.searchsorted(self.offsets, indices, side="right") - 1
+    shard, row = self.locate(indices)
     out = np.empty((len(indices),) + self.shape, np.float32)
     labels = np.empty((len(indices),), np.int32)
     for s in np.unique(shard):
       rows = np.nonzero(shard == s)[0]
-      local = indices[rows] - self.offsets[s]
+      local = row[rows]
       order = np.argsort(local)  # sorted reads are much faster on memory-mapped files
       x = self.latents[s][local[order]]
       if self.flipped:
@@ -137,17 +142,17 @@ class LatentRecords:
     return len(self._get())
 
   def __getitem__(self, index: int):
-    split = self._get()
-    shard = int(np.searchsorted(split.offsets, index, side="right")) - 1
-    row = int(index) - int(split.offsets[shard])
-    return np.asarray(split.latents[shard][row], np.float32), int(split.labels[shard][row])
+    return self.record(index, with_targets=False)[:2]
 
-  def targets(self, index: int) -> List[np.ndarray]:
-    """REPA's stored targets of record ``index`` (float32, ``(T, D)`` or ``(2, T, D)``)."""
+  def record(self, index: int, with_targets: bool = True
+             ) -> Tuple[np.ndarray, int, List[np.ndarray]]:
+    """``(latent, label, targets)`` of record ``index``: ``records[index]`` and REPA's stored
+    targets (float32, ``(T, D)`` or ``(2, T, D)`` each; none without them, or not asked)."""
     split = self._get()
-    shard = int(np.searchsorted(split.offsets, index, side="right")) - 1
-    row = int(index) - int(split.offsets[shard])
-    return [np.asarray(t[shard][row], np.float32) for t in split.targets]
+    shard, row = (int(v) for v in split.locate(int(index)))
+    stored = split.targets if with_targets else []
+    return (np.asarray(split.latents[shard][row], np.float32), int(split.labels[shard][row]),
+            [np.asarray(t[shard][row], np.float32) for t in stored])
 
 
 class LatentTrainExample:
@@ -161,7 +166,7 @@ class LatentTrainExample:
   def __call__(self, j: int) -> dict:
     position = self.layout.position(j)
     index = self.order(position)
-    latent, label = self.records[index]
+    latent, label, targets = self.records.record(index)
     version = None
     if latent.ndim == 4:
       version = 0
@@ -170,7 +175,7 @@ class LatentTrainExample:
             [augment.seed_words(self.seed), FLIP_STREAM, position])).integers(0, 2))
       latent = latent[version]
     out = {"image": latent, "label": np.int32(label)}
-    for i, t in enumerate(self.records.targets(index)):
+    for i, t in enumerate(targets):
       out[TARGET.format(i)] = t if version is None else t[version]
     return out
 

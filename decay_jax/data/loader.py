@@ -36,7 +36,7 @@ import os
 import re
 import signal
 import threading
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import grain
 from absl import flags
@@ -455,22 +455,32 @@ class ImageEvalExample:
             "label": np.int32(label)}
 
 
-def eval_arrays(records, spec: AugmentSpec, n: int, parallel: Parallelism,
-                source: Optional[str] = None) -> Dict[str, np.ndarray]:
-  """``{'image': uint8 (n, S, S, C), 'label': int32 (n,)}``: the first n records, resized.
-
-  The pixels stay uint8 (a quarter of float32's host memory); the evaluators normalise them on
-  the devices (``decay_jax.data.on_device.to_model_input``). ``source`` (e.g.
-  ``"imagefolder:/data:test"``) names the dataset and split in errors.
+def eval_stream(records, spec: AugmentSpec, n: int, parallel: Parallelism,
+                source: Optional[str] = None) -> Iterator[Dict[str, np.ndarray]]:
+  """The first n records, resized, in order: chunks ``{'image': uint8 (m, S, S, C), 'label':
+  int32 (m,)}`` of up to 256, so that a consumer (a 50,000-image reference batch) never holds
+  them all. ``source`` (e.g. ``"imagefolder:/data:test"``) names the dataset and split in errors.
   """
   try:
-    parts = list(eval_batches(ImageEvalExample(records, spec), n, parallel))
+    for part in eval_batches(ImageEvalExample(records, spec), n, parallel):
+      yield {"image": part["image"], "label": np.asarray(part["label"], np.int32)}
   except Exception as e:  # pylint: disable=broad-except
     where = ""
     if source is not None:
       dataset, split = dataset_and_split(source)
       where = f"dataset={dataset!r}, split {split!r}: "
     raise validate.InputError(where + one_line(e)) from None
+
+
+def eval_arrays(records, spec: AugmentSpec, n: int, parallel: Parallelism,
+                source: Optional[str] = None) -> Dict[str, np.ndarray]:
+  """``{'image': uint8 (n, S, S, C), 'label': int32 (n,)}``: the first n records, resized
+  (``eval_stream`` gathered).
+
+  The pixels stay uint8 (a quarter of float32's host memory); the evaluators normalise them on
+  the devices (``decay_jax.data.on_device.to_model_input``).
+  """
+  parts = list(eval_stream(records, spec, n, parallel, source))
   images = np.concatenate([p["image"] for p in parts])
   labels = np.concatenate([p["label"] for p in parts]).astype(np.int32)
   return {"image": images, "label": labels}

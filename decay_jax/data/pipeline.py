@@ -1,7 +1,7 @@
 """The input pipeline: the public face of ``decay_jax.data``.
 
-``dataset_info``, ``make_train_iterator`` and ``load_eval_arrays`` take one data config
-(``default_data_config()``; the fields are documented in ``decay_jax.data.config``) and hand the
+``dataset_info``, ``make_train_iterator``, ``load_eval_arrays`` and ``eval_stream`` take one data
+config (``default_data_config()``; the fields are documented in ``decay_jax.data.config``) and hand the
 work to the source its ``dataset`` names (``decay_jax.data.sources``: the shipped MNIST subset, npz
 files, image folders, TFDS datasets in ArrayRecord format, latent shards). All of them run through
 one Grain loader (``decay_jax.data.loader``) and one augmentation (``decay_jax.data.augment``), and
@@ -13,7 +13,7 @@ constants) are re-exported from the modules that implement them.
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, Optional, Tuple
 
 import ml_collections
 import numpy as np
@@ -38,8 +38,8 @@ from decay_jax.data.config import NPZ_PREFIX
 __all__ = [
     "EMBEDDED_MNIST", "EVAL_CROP_PCT", "EVAL_RESIZE", "IMAGENET_MEAN", "IMAGENET_STD",
     "NORMALIZE", "NPZ_PREFIX", "RRC_ATTEMPTS", "augment_batch", "crop_params", "dataset_info",
-    "default_data_config", "load_eval_arrays", "make_train_iterator", "normalization",
-    "normalize_uint8",
+    "default_data_config", "eval_stream", "load_eval_arrays", "make_train_iterator",
+    "normalization", "normalize_uint8",
 ]
 
 
@@ -111,3 +111,11 @@ def load_eval_arrays(data_cfg: ml_collections.ConfigDict,
   if split is None:
     return source.eval_arrays(data_cfg.eval_split, "eval_split")
   return source.eval_arrays(split, "split")
+
+
+def eval_stream(data_cfg: ml_collections.ConfigDict, split: str
+                ) -> Tuple[int, Iterator[Dict[str, np.ndarray]]]:
+  """``load_eval_arrays(data_cfg, split)`` in chunks: ``(n, chunks)``, the chunks
+  ``{'image', 'label'}`` of the same first ``n`` examples in order, read as they are consumed
+  (for inputs larger than host memory, e.g. a 50,000-image reference batch)."""
+  return sources.source_for(data_cfg).eval_stream(split, "split")

@@ -7,14 +7,14 @@
 
 Every source gives random-access records, and all of them run through the one Grain loader
 (``decay_jax.data.loader``) and the one augmentation (``decay_jax.data.augment``), so every source
-resumes exactly. Each source has ``info()``, ``train_iterator(...)`` and ``eval_arrays(split,
-field)``; constructing one checks the config fields and whatever the split-independent I/O can
+resumes exactly. Each source has ``info()``, ``train_iterator(...)``, ``eval_arrays(split,
+field)`` and ``eval_stream(split, field)``; constructing one checks the config fields and whatever the split-independent I/O can
 check, and each method checks the splits and channels it uses before reading a pixel.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import ml_collections
 import numpy as np
@@ -69,6 +69,13 @@ class Source:
     records = self.records(split, field)
     return loader.eval_arrays(records, self.spec, self._eval_count(records), self.parallel,
                               source=f"{self.cfg.dataset}:{split}")
+
+  def eval_stream(self, split: str, field: str) -> Tuple[int, Iterator[Dict[str, np.ndarray]]]:
+    """See ``pipeline.eval_stream``."""
+    records = self.records(split, field)
+    n = self._eval_count(records)
+    return n, loader.eval_stream(records, self.spec, n, self.parallel,
+                                 source=f"{self.cfg.dataset}:{split}")
 
 
 class NpzSource(Source):
@@ -140,6 +147,10 @@ class LatentSource(Source):
   def eval_arrays(self, split, field):
     del field
     return latents.load_eval_arrays(self.cfg, split)
+
+  def eval_stream(self, split, field):
+    arrays = self.eval_arrays(split, field)  # memory-mapped shards: the gather is the read
+    return len(arrays["label"]), iter([arrays])
 
 
 class TfdsSource(Source):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import io
 import time
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterable, Iterator, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -236,6 +236,42 @@ def _batches(n: int, batch: int) -> Iterator[Tuple[int, int]]:
     yield start, min(n, start + batch)
 
 
+class ImageStream(NamedTuple):
+  """``n`` uint8 images ``(H, W, 3)`` in ``chunks`` ``(m, H, W, 3)``, read as they are consumed:
+  an input larger than host memory (a 50,000-image reference batch at 256 px is 9.8 GB)."""
+  n: int
+  chunks: Iterable[np.ndarray]
+
+
+def _fixed_batches(images, batch: int) -> Iterator[np.ndarray]:
+  """The rows of ``images`` (an array or an ``ImageStream``) in order, ``batch`` at a time (the
+  last one shorter)."""
+  if not isinstance(images, ImageStream):
+    yield from (np.asarray(images[a:b]) for a, b in _batches(len(images), batch))
+    return
+  held = []
+  for chunk in images.chunks:
+    held.append(np.asarray(chunk))
+    while sum(len(h) for h in held) >= batch:
+      rows = np.concatenate(held)
+      yield rows[:batch]
+      held = [rows[batch:]]
+  if sum(len(h) for h in held):
+    yield np.concatenate(held)
+
+
+def _keeping(stream: ImageStream, rows: np.ndarray, kept: list) -> ImageStream:
+  """``stream`` unchanged, appending its images at the sorted indices ``rows`` to ``kept``."""
+  def chunks():
+    start = 0
+    for chunk in stream.chunks:
+      here = rows[(rows >= start) & (rows < start + len(chunk))] - start
+      kept.append(np.asarray(chunk)[here])
+      start += len(chunk)
+      yield chunk
+  return ImageStream(stream.n, chunks())
+
+
 @functools.lru_cache(maxsize=4)
 def _inception_forward(model, mesh: Mesh):
   """One jitted forward per (model, mesh): reference and samples share the compiled program."""
@@ -245,11 +281,11 @@ def _inception_forward(model, mesh: Mesh):
   return fwd, sharding
 
 
-def inception_activations(model, params, images: np.ndarray, batch_size: int = 200,
+def inception_activations(model, params, images, batch_size: int = 200,
                           mesh: Optional[Mesh] = None, what: str = "images"
                           ) -> Dict[str, np.ndarray]:
   """``{'pool': (N, 2048), 'spatial': (N, 2023), 'logits': (N, 1008)}`` float32 of uint8
-  ``images (N, H, W, 3)``.
+  ``images (N, H, W, 3)``, an array or an ``ImageStream`` (then only a batch of images is held).
 
   Batches are split over the devices of ``mesh`` (default: this process's devices); the last
   batch is padded, so one program serves all batches. Logs progress and ETA.
@@ -260,16 +296,19 @@ def inception_activations(model, params, images: np.ndarray, batch_size: int = 2
   fwd, sharding = _inception_forward(model, mesh)
   params = jax.device_put(params, NamedSharding(mesh, P()))  # replicated on the mesh
   outs = {"pool": [], "spatial": [], "logits": []}
-  n = len(images)
-  progress = Progress(f"inception features of {what}", n)
-  for start, stop in _batches(n, batch):
-    x = np.asarray(images[start:stop])
-    if len(x) < batch:
-      x = np.concatenate([x, np.zeros((batch - len(x),) + x.shape[1:], x.dtype)])
+  n = images.n if isinstance(images, ImageStream) else len(images)
+  progress, done = Progress(f"inception features of {what}", n), 0
+  for x in _fixed_batches(images, batch):
+    m = len(x)
+    if m < batch:
+      x = np.concatenate([x, np.zeros((batch - m,) + x.shape[1:], x.dtype)])
     out = jax.device_get(fwd(params, jax.device_put(x, sharding)))
     for key, parts in outs.items():
-      parts.append(np.asarray(out[key])[:stop - start])
-    progress.update(stop)
+      parts.append(np.asarray(out[key])[:m])
+    done += m
+    progress.update(done)
+  if done != n:
+    raise ValueError(f"{what}: {done} images were read, {n} were announced")
   return {key: np.concatenate(parts) for key, parts in outs.items()}
 
 
@@ -295,17 +334,22 @@ def describe(path: str, model=None, params=None, batch_size: int = 200, keep_ima
 def describe_images(images: np.ndarray, model, params, batch_size: int = 200,
                     stats: Optional[Dict[str, np.ndarray]] = None, keep_images: int = 0,
                     what: str = "images") -> Dict[str, np.ndarray]:
-  """``describe`` of uint8 ``images (N, H, W, 3)`` in memory (the evaluator's samples): their
-  ``pool`` features, ``logits``, ``n``, the statistics of ``stats`` where given, else the images'
-  own, and with ``keep_images`` a random subset ``images``."""
+  """``describe`` of uint8 ``images (N, H, W, 3)``, in memory (the evaluator's samples) or an
+  ``ImageStream`` (a dataset split): their ``pool`` features, ``logits``, ``n``, the statistics
+  of ``stats`` where given, else the images' own, and with ``keep_images`` a random subset
+  ``images``."""
   side: Dict[str, np.ndarray] = dict(stats or {})
+  n = images.n if isinstance(images, ImageStream) else len(images)
+  keep, kept = (subset(n, keep_images) if keep_images else None), []
+  if keep is not None and isinstance(images, ImageStream):
+    images = _keeping(images, keep, kept)
   acts = inception_activations(model, params, images, batch_size, what=what)
-  side.update(pool=acts["pool"], logits=acts["logits"], n=len(images))
+  side.update(pool=acts["pool"], logits=acts["logits"], n=n)
   for mu_key, feature in (("mu", "pool"), ("mu_s", "spatial")):
     if mu_key not in side:
       side[mu_key], side[STAT_KEYS[mu_key]] = statistics(acts[feature])
-  if keep_images:
-    side["images"] = images[subset(len(images), keep_images)]
+  if keep is not None:
+    side["images"] = np.concatenate(kept) if kept else images[keep]
   return side
 
 
