@@ -23,3 +23,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import pytest  # noqa: E402
+from absl import logging as absl_logging  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _absl_logger_level():
+  """Restores absl's logger level after each test: a test that pins it (``set_verbosity``) would
+  leave a later test of the same xdist worker that reads INFO records (caplog) without them."""
+  logger = absl_logging.get_absl_logger()
+  level = logger.level
+  yield
+  logger.setLevel(level)

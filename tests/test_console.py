@@ -38,14 +38,16 @@ def console():
   root = logging.getLogger()
   root.addHandler(handler)
   logs.quiet_libraries()  # as the CLIs do: also filters this handler
-  verbosity, level = absl_logging.get_verbosity(), root.level
+  # absl's logger level itself (NOTSET: root's), not get_verbosity(): setting that back would pin
+  # the logger at the effective level it reports (WARNING) for every later test of this worker
+  absl_level, level = absl_logging.get_absl_logger().level, root.level
   absl_logging.set_verbosity(absl_logging.INFO)
   root.setLevel(logging.INFO)  # as absl's app.run: INFO of the standard `logging` users too
   try:
     with contextlib.redirect_stdout(out):
       yield lines
   finally:
-    absl_logging.set_verbosity(verbosity)
+    absl_logging.get_absl_logger().setLevel(absl_level)
     root.setLevel(level)
     root.removeHandler(handler)
     lines.extend(buf.getvalue().splitlines() + out.getvalue().splitlines())
