@@ -9,7 +9,8 @@ in-blocks, one mid-block and ``K`` out-blocks, ``2K + 1`` blocks in all::
     out-block j: x = block(x, pop())                     out-block j reads in-block K-1-j
     eps = final_conv(unpatchify(decoder_pred(LN(x))[:, extras:]))
 
-Every block is pre-norm, block ``b`` (in0..in(K-1), mid, out0..out(K-1)) computing::
+Every block is pre-norm (or the ``residual`` spec's form: hyper-connections carry ``n`` streams,
+see ``SkipLinear`` for the long skip), block ``b`` (in0..in(K-1), mid, out0..out(K-1)) computing::
 
     out-blocks only:  x <- W_s [x ; s] + b_s        (skip_mode 'concat', U-ViT: a replacement)
     x <- alpha_{2b}   x + Attn(LN1(x))
@@ -127,7 +128,9 @@ class UViTBlock(nn.Module):
   Linear(D, D)); then ``x <- alpha_attn x + Attn(LN1 x)``, ``x <- alpha_mlp x + MLP(LN2 x)``
   (``residual.update``). ``x, s: (B, T, D)`` float32, ``alpha (2,)``; output ``(B, T, D)``. With
   ``zero_init`` the ``attn.proj`` and ``mlp.fc2`` kernels start at zero. With ``'intermediates'``
-  mutable it sows ``attn_norms`` / ``mlp_norms`` as ``MAEBlock``.
+  mutable it sows ``attn_norms`` / ``mlp_norms`` as ``MAEBlock``. With hyper-connections
+  (``hyper``: this block's ``(2, ...)`` weights) ``x`` is the streams ``(B, T, n, D)``, the
+  long skip is ``SkipLinear``'s per-stream rule and the second output is the streams' sum.
   """
   num_heads: int
   mlp_ratio: float = 4.0
@@ -290,7 +293,8 @@ class UViT(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
 
   def run_blocks(self, tokens, drop_u=None):
     """All blocks on ``tokens (B, T, D)``: the final stream ``(B, T, D)``, the in-block outputs
-    ``(K, B, T, D)`` (the long-skip sources), the mid output and the out-block outputs.
+    ``(K, B, T, D)`` (the long-skip sources), the mid output and the out-block outputs (with
+    hyper-connections each of them the sum of its ``n`` streams).
     ``drop_u (2K + 1, B, 2)``: the drop-path draws of training (``residual.drop_path``)."""
     k, res = self.half, self.block_residual
     rates = jnp.asarray(res.drop_path_rates(self.num_blocks))
