@@ -6,6 +6,9 @@ import sys
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # see decay_jax/cli/__init__.py
+# gs:// through fsspec (gcsfs), which tests/test_object_store.py points at its local emulator, never
+# through TensorFlow's client, whose endpoint is compiled in (epath decides once per process).
+os.environ.setdefault("EPATH_USE_TF", "false")
 # Many tests train the same tiny models (resume against uninterrupted, one device count against
 # another, a command in a subprocess): each trainer call jits afresh, so XLA would compile the same
 # program again. One compilation cache for the session's processes (xdist workers and the

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from etils.epath import gpath
 from flax import traverse_util
 
 import torch_reference as ref
@@ -229,13 +228,8 @@ def test_console_module_end_to_end(mae_run, tmp_path):
                         .state_dict())
 
 
-def test_gcs_paths_both_ways(gcs, mae_run, bad, request):
+def test_gcs_paths_both_ways(gcs, mae_run, bad):
   """``gs://`` in and out (etils.epath and orbax against the emulator of test_object_store)."""
-  # epath decides once per process whether gs:// goes through TensorFlow (whose GCS endpoint is
-  # compiled in) or fsspec; earlier tests in this process may have decided before the emulator's
-  # EPATH_USE_TF=false was set.
-  gpath._is_tf_installed.cache_clear()  # pylint: disable=protected-access
-  request.addfinalizer(gpath._is_tf_installed.cache_clear)  # pylint: disable=protected-access
   pth, flax_dir = f"gs://{BUCKET}/convert/mae.pth", f"gs://{BUCKET}/convert/flax"
   assert convert.main(["to-torch", "--params", mae_run["workdir"], "--out", pth]) == 0
   assert convert.main(["mae", "--checkpoint", pth, "--out", flax_dir]) == 0

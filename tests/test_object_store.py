@@ -24,6 +24,7 @@ import chex
 import jax
 import numpy as np
 import pytest
+from etils.epath import gpath
 
 from decay_jax import paths
 from decay_jax.evals import registry
@@ -77,6 +78,10 @@ def gcs():
   }
   saved = {k: os.environ.get(k) for k in env}
   os.environ.update(env)
+  # epath decides once per process (a cache) whether gs:// goes through TensorFlow, whose GCS
+  # endpoint is compiled in: a gs:// path made by an earlier module of this xdist worker must not
+  # have decided it before EPATH_USE_TF=false (tests/conftest.py sets it for the session too).
+  gpath._is_tf_installed.cache_clear()  # pylint: disable=protected-access
   try:
     for _ in range(100):
       try:
@@ -96,6 +101,7 @@ def gcs():
         os.environ.pop(k, None)
       else:
         os.environ[k] = v
+    gpath._is_tf_installed.cache_clear()  # pylint: disable=protected-access
 
 
 def objects(url: str, prefix: str):
