@@ -14,14 +14,15 @@ os.environ.setdefault("EPATH_USE_TF", "false")
 # program again. One compilation cache for the session's processes (xdist workers and the
 # subprocesses they start inherit these variables) compiles it once. Size-bounded, which also makes
 # JAX lock the folder (filelock) while two workers read and write it.
-_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache",
-                      "jax_compilation")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+_REPO = os.path.dirname(_TESTS)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(_REPO, ".pytest_cache", "jax_compilation"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _REPO)
+sys.path.insert(0, _TESTS)
 
 import jax  # noqa: E402
 

@@ -472,15 +472,13 @@ def eval_stream(records, spec: AugmentSpec, n: int, parallel: Parallelism,
     raise validate.InputError(where + one_line(e)) from None
 
 
-def eval_arrays(records, spec: AugmentSpec, n: int, parallel: Parallelism,
-                source: Optional[str] = None) -> Dict[str, np.ndarray]:
-  """``{'image': uint8 (n, S, S, C), 'label': int32 (n,)}``: the first n records, resized
-  (``eval_stream`` gathered).
+def gather(chunks) -> Dict[str, np.ndarray]:
+  """``{'image': uint8 (n, S, S, C), 'label': int32 (n,)}``: the chunks of ``eval_stream`` in one.
 
   The pixels stay uint8 (a quarter of float32's host memory); the evaluators normalise them on
   the devices (``decay_jax.data.on_device.to_model_input``).
   """
-  parts = list(eval_stream(records, spec, n, parallel, source))
+  parts = list(chunks)
   images = np.concatenate([p["image"] for p in parts])
   labels = np.concatenate([p["label"] for p in parts]).astype(np.int32)
   return {"image": images, "label": labels}

@@ -1,8 +1,8 @@
 """The input pipeline: the public face of ``decay_jax.data``.
 
 ``dataset_info``, ``make_train_iterator``, ``load_eval_arrays`` and ``eval_stream`` take one data
-config (``default_data_config()``; the fields are documented in ``decay_jax.data.config``) and hand the
-work to the source its ``dataset`` names (``decay_jax.data.sources``: the shipped MNIST subset, npz
+config (``default_data_config()``; the fields are documented in ``decay_jax.data.config``) and hand
+the work to the source its ``dataset`` names (``decay_jax.data.sources``: the shipped MNIST subset, npz
 files, image folders, TFDS datasets in ArrayRecord format, latent shards). All of them run through
 one Grain loader (``decay_jax.data.loader``) and one augmentation (``decay_jax.data.augment``), and
 every one resumes exactly: the stream is a pure function of (seed, step).

@@ -8,8 +8,9 @@
 Every source gives random-access records, and all of them run through the one Grain loader
 (``decay_jax.data.loader``) and the one augmentation (``decay_jax.data.augment``), so every source
 resumes exactly. Each source has ``info()``, ``train_iterator(...)``, ``eval_arrays(split,
-field)`` and ``eval_stream(split, field)``; constructing one checks the config fields and whatever the split-independent I/O can
-check, and each method checks the splits and channels it uses before reading a pixel.
+field)`` and ``eval_stream(split, field)``; constructing one checks the config fields and whatever
+the split-independent I/O can check, and each method checks the splits and channels it uses before
+reading a pixel.
 """
 
 from __future__ import annotations
@@ -66,9 +67,7 @@ class Source:
 
   def eval_arrays(self, split: str, field: str) -> Dict[str, np.ndarray]:
     """See ``pipeline.load_eval_arrays``; ``field`` names ``split`` in error messages."""
-    records = self.records(split, field)
-    return loader.eval_arrays(records, self.spec, self._eval_count(records), self.parallel,
-                              source=f"{self.cfg.dataset}:{split}")
+    return loader.gather(self.eval_stream(split, field)[1])
 
   def eval_stream(self, split: str, field: str) -> Tuple[int, Iterator[Dict[str, np.ndarray]]]:
     """See ``pipeline.eval_stream``."""

@@ -249,15 +249,14 @@ def _fixed_batches(images, batch: int) -> Iterator[np.ndarray]:
   if not isinstance(images, ImageStream):
     yield from (np.asarray(images[a:b]) for a, b in _batches(len(images), batch))
     return
-  held = []
+  rows = None  # the rows read and not yet yielded
   for chunk in images.chunks:
-    held.append(np.asarray(chunk))
-    while sum(len(h) for h in held) >= batch:
-      rows = np.concatenate(held)
+    rows = np.asarray(chunk) if rows is None else np.concatenate([rows, chunk])
+    while len(rows) >= batch:
       yield rows[:batch]
-      held = [rows[batch:]]
-  if sum(len(h) for h in held):
-    yield np.concatenate(held)
+      rows = rows[batch:]
+  if rows is not None and len(rows):
+    yield rows
 
 
 def _keeping(stream: ImageStream, rows: np.ndarray, kept: list) -> ImageStream:
