@@ -36,8 +36,33 @@ def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:
   if data * fsdp < n and jax.process_count() > 1:
     raise ValueError(f"mesh.data={data} x mesh.fsdp={fsdp} must use all {n} devices when "
                      "running on several processes")
-  devices = devices[:data * fsdp]
-  return Mesh(np.asarray(devices).reshape(data, fsdp), ("data", "fsdp"))
+  return Mesh(device_grid(devices[:data * fsdp], data, fsdp), ("data", "fsdp"))
+
+
+def device_grid(devices, data: int, fsdp: int) -> np.ndarray:
+  """The ``(data, fsdp)`` array of ``devices`` a mesh is made of.
+
+  On TPUs the order follows the physical torus (``mesh_utils.create_device_mesh``: each ``fsdp``
+  group on neighbouring chips, so its all-gathers ride the interconnect), and over several slices
+  (``device.slice_index``, a multi-slice job) ``data`` is split across the slices, which talk over
+  the data-centre network (DCN), while ``fsdp`` stays within one (``create_hybrid_device_mesh``).
+  Elsewhere (CPU, GPU) and for a subset of a slice: the devices in their order.
+  """
+  devices = list(devices)
+  if devices[0].platform != "tpu":
+    return np.asarray(devices).reshape(data, fsdp)
+  from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
+  slices = len({getattr(d, "slice_index", 0) for d in devices})
+  if slices > 1 and data % slices:
+    raise ValueError(f"mesh.data={data} is not allowed on {slices} slices; it must be a multiple "
+                     "of the slice count (the data-parallel replicas span the slices)")
+  try:
+    if slices > 1:
+      return mesh_utils.create_hybrid_device_mesh((data // slices, fsdp), (slices, 1), devices,
+                                                   allow_split_physical_axes=True)
+    return mesh_utils.create_device_mesh((data, fsdp), devices, allow_split_physical_axes=True)
+  except (AssertionError, NotImplementedError, ValueError):  # no physical layout: device order
+    return np.asarray(devices).reshape(data, fsdp)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

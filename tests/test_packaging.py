@@ -125,7 +125,12 @@ def test_accelerator_extras_pin_the_same_jax():
   assert versions["jaxlib"] == versions["jax"]
   extras = _pyproject()["project"]["optional-dependencies"]
   assert [_pin(d) for d in extras["cuda12"]] == [("jax", "[cuda12]", versions["jax"])]
-  assert [_pin(d) for d in extras["tpu"]] == [("jax", "[tpu]", versions["jax"])]
+  assert [_pin(d) for d in extras["tpu"]] == [("jax", "[tpu]", versions["jax"]),
+                                              ("libtpu", "", "0.0.42.1")]
+  # the libtpu of the tpu extra is the one jax[tpu] of the pinned jax requires (0.0.42.*), and
+  # the tests compile with that same one
+  test = {name: version for name, _, version in _requirement_pins("requirements-test.txt")}
+  assert test["libtpu"] == "0.0.42.1"
 
 
 # ---------------------------------------------------------------------------------------- the wheel

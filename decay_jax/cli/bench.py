@@ -4,6 +4,7 @@
     python -m decay_jax.cli.bench --config=configs/mae_vit_h14.py --compile_only --fake_devices=8
     python -m decay_jax.cli.bench --config=configs/mae_cpu_mnist.py --torch   # + PyTorch reference
     python -m decay_jax.cli.bench --task=sit --preset=XL/2 --compile_only --batch_per_device=32
+    python -m decay_jax.cli.bench --config=configs/sit_xl2.py --compile_only --topology=v5p-8
     python -m decay_jax.cli.bench --from_trainer=WORKDIR      # a run's own timing beside the bench's
     python -m decay_jax.cli.bench --config=configs/mae_cpu_mnist.py --profile_steps=5,3
 
@@ -22,7 +23,9 @@ own config (``WORKDIR/config.json``, or ``--config``) for the ratio of the two.
 ``--profile_steps=START,COUNT`` (or ``--config.profile_steps``) traces those timed steps into
 ``--profile_dir``; ``python -m decay_jax.cli.trace_table DIR`` tables the trace by op category.
 With ``--compile_only`` nothing is allocated: the step is lowered and compiled on abstract inputs
-and XLA's memory analysis is printed. ``--fake_devices=N`` makes N CPU devices to size pods on a
+and XLA's memory analysis is printed; with ``--topology=SLICE`` it is compiled by the TPU compiler
+for that slice (libtpu, on this CPU) and the TPU report of ``decay_jax.perf.tpu`` is printed
+(memory per chip, XLA's costs, loops per trip, the cost model's step time and MFU). ``--fake_devices=N`` makes N CPU devices to size pods on a
 laptop. ``--torch`` times the PyTorch reference of the tests (fp32, same
 batch, AdamW) on the same machine and prints the ratio.
 """
@@ -45,7 +48,7 @@ from decay_jax import sharding as shd
 from decay_jax.cli import errors
 from decay_jax.models import flops
 from decay_jax.models import mae as mae_lib
-from decay_jax.perf import memory, trace_table
+from decay_jax.perf import memory, tpu, trace_table
 from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import config as config_lib
 from decay_jax.train import profiling, writers
@@ -61,6 +64,9 @@ _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per repeat (after one wa
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed windows of --steps steps; min and median.")
 _COMPILE_ONLY = flags.DEFINE_bool("compile_only", False, "Only lower + compile on abstract inputs.")
 _FAKE_DEVICES = flags.DEFINE_integer("fake_devices", 0, "Fake CPU devices (0: this machine's).")
+_TOPOLOGY = flags.DEFINE_string("topology", None, "With --compile_only: compile for this TPU "
+                                "slice with libtpu (v5p-8, v5e-16, v6e:4x4, ...).")
+_NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "With --topology: slices of a multi-slice job.")
 _CHANNELS = flags.DEFINE_integer("channels", 0, "Input channels (0: 3 for MAE, 4 for SiT).")
 _TORCH = flags.DEFINE_bool("torch", False, "Also time the PyTorch reference (CPU, fp32).")
 _TORCH_PROFILE = flags.DEFINE_bool(
@@ -220,12 +226,23 @@ def main(argv):
     if _TORCH.value and config.task not in TORCH_TASKS:
       raise ValueError(f"--torch is not allowed with task={config.task!r}; the PyTorch reference "
                        "times MAE and SiT pre-training")
-    mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp)
+    if _TOPOLOGY.value and not _COMPILE_ONLY.value:
+      raise ValueError(f"--topology={_TOPOLOGY.value} is not allowed without --compile_only; "
+                       "there is no TPU here to time the step on")
+    target = tpu.target(_TOPOLOGY.value, _NUM_SLICES.value) if _TOPOLOGY.value else None
+    mesh = (tpu.mesh(config, target) if target else
+            shd.make_mesh(config.mesh.data, config.mesh.fsdp))
     batch = _BATCH.value * mesh.size if _BATCH.value else config.batch_size
     s = memory.build(config, batch, _CHANNELS.value, mesh)  # checks the config and the model
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  if target:
+    row = tpu.compile_report(config, target, batch, _CHANNELS.value)
+    print("\n".join(tpu.summary_lines(row)))
+    if _OUT.value:
+      paths.append_text(_OUT.value, json.dumps(row) + "\n")
+    return 0
   model, task = s.model, s.task
   a_state, a_batch = s.abstract_args()
   if _COMPILE_ONLY.value:  # abstract inputs: nothing allocated
