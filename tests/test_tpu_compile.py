@@ -153,3 +153,38 @@ def test_command_line_and_its_errors():
   assert p.stderr.strip().splitlines()[-1] == (
       "error: --topology=v5p-8 needs libtpu, the TPU compiler, which is not installed; pip "
       "install '.[tpu]' (or 'jax[tpu]' of the pinned jax) and run again")
+
+
+def test_full_size_sit_xl2_compiles_for_v5p_with_fsdp(v5p):
+  """The largest step per chip of the shipped configs, SiT-XL/2 (675M parameters, two scans of 14
+  blocks), at full size (a small batch: compile time hardly depends on it) with FSDP over the
+  slice's 4 chips: it compiles, every loop runs 14 times, and the recount's flops are the
+  model's within 10% (XLA's own, loops once, are under a tenth of them)."""
+  from testing_configs import load_config
+  config = load_config("sit_xl2")
+  config.mesh.data, config.mesh.fsdp = -1, 4
+  row = tpu.compile_report(config, v5p, batch=16)
+  assert row["fsdp"] == 4 and row["params"] > 6e8
+  assert set(row["loops"].values()) == {14}, row["loops"]
+  assert 0.9 < row["model_over_hlo_flops"] < 1.1, row["model_over_hlo_flops"]
+  assert row["xla_flops"] < 0.1 * row["hlo_flops"]
+  # FSDP divides the float32 parameters, their EMA and AdamW's two moments (16 bytes per
+  # parameter replicated) over the 4 chips: about a quarter of that is on each
+  assert row["argument_gib"] * 2 ** 30 < 0.35 * 16 * row["params"]
+
+
+def test_eight_h100s_without_a_gpu():
+  """The CUDA plugin compiles for 8 H100s from XLA's device description (no GPU, no driver):
+  the micro MAE's step compiles, its memory is XLA's, its loops are found (XLA:GPU annotates
+  their trip counts), and cuBLAS's matmuls are counted from their dot dimensions."""
+  tgt = tpu.target("h100-8")
+  assert tgt.chips == 8 and tgt.devices[0].device_kind == "NVIDIA H100 80GB HBM3"
+  row = tpu.compile_report(tiny_config(batch_size=64, **{"mesh.data": -1}), tgt)
+  assert row["data"] == 8 and row["fits"] and row["peak_gib"] > 0
+  assert set(row["loops"].values()) == {4}, row["loops"]
+  assert row["cost_model"] == "roofline" and 0 < row["mfu"] < 1
+  # XLA's generic cost analysis (the plugin has none) does not count cuBLAS calls; the recount does
+  assert row["hlo_flops_once"] > 2 * row["xla_flops"]
+  assert 0.5 < row["model_over_hlo_flops"] < 1.2, row["model_over_hlo_flops"]
+  with pytest.raises(ValueError, match="give h100-N GPUs, N = 1, 2, 4 or a multiple of 8"):
+    tpu.target("h100-12")

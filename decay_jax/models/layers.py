@@ -10,8 +10,10 @@ model differs from the float32 one only inside the branches.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import flax.linen as nn
 import jax
@@ -77,6 +79,27 @@ def sincos_2d(embed_dim: int, grid_size: int, cls_token: bool = False) -> np.nda
   return emb.astype(np.float32)
 
 
+# The platform a program is traced for, where it is not this process's default backend: the
+# ahead-of-time compile for a TPU slice or GPU host on a CPU machine (``perf.tpu``) sets it, so
+# the attention chosen is the one the target would run.
+_TARGET_PLATFORM: contextvars.ContextVar = contextvars.ContextVar("target_platform", default=None)
+
+
+@contextlib.contextmanager
+def target_platform(platform: Optional[str]) -> Iterator[None]:
+  """Trace for ``platform`` ('tpu', 'gpu', 'cpu'; None: the default backend) inside the block."""
+  token = _TARGET_PLATFORM.set(platform)
+  try:
+    yield
+  finally:
+    _TARGET_PLATFORM.reset(token)
+
+
+def platform() -> str:
+  """The platform programs are traced for: ``target_platform``'s, else the default backend."""
+  return _TARGET_PLATFORM.get() or jax.default_backend()
+
+
 def resolve_attention(implementation: Optional[str], dtype, tokens: int, head_dim: int
                       ) -> Optional[str]:
   """The attention kernel for ``tokens`` x ``head_dim`` heads: ``implementation`` where given;
@@ -89,7 +112,7 @@ def resolve_attention(implementation: Optional[str], dtype, tokens: int, head_di
   del tokens  # any count: attend() pads what the kernel refuses
   if implementation is not None:
     return implementation
-  if (jax.default_backend() == "gpu" and jnp.dtype(dtype).name in CUDNN_DTYPES
+  if (platform() == "gpu" and jnp.dtype(dtype).name in CUDNN_DTYPES
       and head_dim % 8 == 0 and head_dim <= 128):
     return "cudnn"
   return None

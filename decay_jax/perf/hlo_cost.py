@@ -175,9 +175,14 @@ def parse(text: str) -> Module:
   return Module(instructions, dict(computations), entry)
 
 
-def trip_count(module: Module, condition: str) -> Optional[int]:
-  """``N`` of a loop condition whose root is ``i < N`` with ``N`` a constant (the form of
-  ``lax.scan`` and ``fori_loop`` loops); ``None`` for any other form."""
+def trip_count(module: Module, condition: str, loop: Optional[Instruction] = None
+               ) -> Optional[int]:
+  """Trips of a while loop: XLA:GPU's ``known_trip_count`` annotation, else the ``N`` of a loop
+  condition whose root is ``i < N`` with ``N`` a constant (the form of ``lax.scan`` and
+  ``fori_loop`` loops on TPU); ``None`` for any other form."""
+  known = re.search(r'"known_trip_count":\{"n":"(\d+)"', loop.attrs) if loop else None
+  if known:
+    return int(known.group(1))
   for ins in module.computations.get(condition, ()):
     if ins.root and ins.opcode == "compare" and "direction=LT" in ins.attrs:
       bound = module.instructions.get(ins.operands[-1]) if ins.operands else None
@@ -204,7 +209,7 @@ def weights(module: Module) -> Tuple[Dict[str, float], Dict[str, Optional[int]],
           continue
         w = weight[comp]
         if ins.opcode == "while":
-          n = trip_count(module, dict(called).get("condition", ""))
+          n = trip_count(module, dict(called).get("condition", ""), ins)
           trips[ins.name] = n
           w *= n if n else 1
         if ins.opcode == "fusion":
@@ -275,6 +280,13 @@ def own_flops(module: Module, ins: Instruction) -> Tuple[float, float]:
     return flops, trans
   if ins.opcode in ("dot", "convolution"):
     return 2.0 * contracted_macs(module, ins), 0.0
+  if _is_gemm_call(ins):  # XLA:GPU's cuBLAS matmul: the dot's numbers in its backend config
+    m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+    lhs = module.instructions.get(ins.operands[0]) if ins.operands else None
+    if m and lhs is not None and lhs.arrays and ins.arrays:
+      dims = [int(d.strip('" ')) for d in m.group(1).split(",") if d.strip('" ')]
+      out = math.prod(ins.arrays[0][1])
+      return 2.0 * out * math.prod(lhs.arrays[0][1][d] for d in dims), 0.0
   if ins.opcode in TRANSCENDENTAL:
     return 0.0, float(ins.elements)
   if ins.opcode in ELEMENTWISE:
@@ -364,8 +376,15 @@ def fusion_bytes(module: Module, ins: Instruction) -> float:
   return read + written
 
 
+def _is_gemm_call(ins: Instruction) -> bool:
+  return ins.opcode == "custom-call" and re.search(r'custom_call_target="__cublas', ins.attrs) is not None
+
+
 def instruction_bytes(module: Module, ins: Instruction) -> float:
   """Bytes one (unfused) instruction moves between HBM and the cores."""
+  if _is_gemm_call(ins) and ins.arrays:  # the result; not cuBLAS's scratch workspace (s8[...])
+    dtype, _, padded = ins.arrays[0]
+    return DTYPE_BYTES.get(dtype, 4) * padded + operand_bytes(module, ins)
   if ins.opcode == "fusion":
     return fusion_bytes(module, ins)
   if ins.opcode in _SLICES:

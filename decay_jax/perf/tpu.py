@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from decay_jax import sharding as shd
+from decay_jax.models import layers
 from decay_jax.perf import hlo_cost
 from decay_jax.train import setup
 
@@ -43,7 +44,7 @@ HEADROOM = 0.9
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-  """One TPU generation, per chip (what JAX calls a device), from Cloud TPU's system pages
+  """One TPU generation or GPU, per chip (what JAX calls a device), from the vendors' pages
   (docs/tpu.md cites them): ``hbm_bytes``, peak dense bf16 ``peak_flops``, HBM bandwidth."""
   version: str
   device_kind: str
@@ -54,6 +55,7 @@ class Chip:
   dims: int                    # 3D torus (v4, v5p) or 2D (v5e, v6e)
   chip_config: str             # libtpu's chip configuration: one device per chip
   host_bounds: Tuple[int, int, int]  # chips per host
+  platform: str = "tpu"
 
 
 CHIPS = {
@@ -61,7 +63,28 @@ CHIPS = {
     "v5p": Chip("v5p", "TPU v5", 95e9, 459e12, 2765e9, 2, 3, "default", (2, 2, 1)),
     "v5e": Chip("v5e", "TPU v5 lite", 16e9, 197e12, 819e9, 1, 2, "default", (2, 4, 1)),
     "v6e": Chip("v6e", "TPU v6 lite", 32e9, 918e12, 1638e9, 1, 2, "default", (2, 4, 1)),
+    # H100 SXM: 80 GB HBM3 (XLA's device description: 84,978,434,048 bytes), 989 TFLOP/s dense
+    # bf16, 3.35 TB/s; 8 per host. Compiled by the CUDA plugin's compiler with no GPU (below).
+    "h100": Chip("h100", "NVIDIA H100 80GB HBM3", 84978434048, 989e12, 3.35232e12, 1, 0, "",
+                 (8, 1, 1), platform="cuda"),
 }
+# XLA's description of an H100 SXM (XLA's gpu_specs/h100_sxm.txtpb, its device facts verbatim),
+# with the CUDA and cuDNN versions of jax-cuda12 0.10.2's build: what the CUDA plugin needs to
+# compile for a GPU that is not there ("deviceless compilation").
+H100_TARGET_CONFIG = """gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: 3352320000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: 84978434048 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 }
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+runtime_version { major: 12 minor: 8 }
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 7 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
 ALIASES = {"v5litepod": "v5e", "v6litepod": "v6e", "v5": "v5p"}
 # Slice shapes by chip count, as Cloud TPU builds them.
 SHAPES_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4),
@@ -86,6 +109,8 @@ class Target:
 
   @property
   def topology(self) -> str:
+    if self.chip.platform == "cuda":
+      return f"{self.shape[0]} host(s) x {self.shape[1]} {self.chip.version}"
     return f"{self.chip.version}:{'x'.join(map(str, self.shape))}"
 
 
@@ -96,8 +121,15 @@ def parse_name(name: str) -> Tuple[Chip, Tuple[int, ...]]:
   version = ALIASES.get(m.group(1), m.group(1)) if m else None
   if version not in CHIPS:
     raise ValueError(f"--topology={name!r} is not allowed; give a slice such as v5p-64, v5e-16, "
-                     f"v6e-16, v4-32 ({known}) or a topology such as v5p:2x4x4")
+                     f"v6e-16, v4-32, h100-8 ({known}) or a topology such as v5p:2x4x4")
   chip = CHIPS[version]
+  if chip.platform == "cuda":
+    count = int(m.group(2) or 0)
+    per_host = chip.host_bounds[0]
+    if not (count in (1, 2, 4) or (count and count % per_host == 0)):
+      raise ValueError(f"--topology={name!r} is not allowed; give {version}-N GPUs, N = 1, 2, "
+                       f"4 or a multiple of {per_host} (hosts of {per_host})")
+    return chip, (max(1, count // per_host), min(count, per_host))
   if m.group(3):
     shape = tuple(int(d) for d in m.group(3).split("x"))
     if len(shape) != chip.dims:
@@ -125,26 +157,53 @@ def quiet_libtpu() -> None:
 
 
 def target(name: str, num_slices: int = 1) -> Target:
-  """The abstract devices of slice ``name`` (``num_slices`` of them), from libtpu's compiler.
+  """The abstract devices of slice ``name`` (``num_slices`` of them), from libtpu's compiler, or
+  of ``h100-N`` GPUs from the CUDA plugin's.
 
-  Raises ValueError (one line) for an unknown name and for a missing libtpu.
+  Raises ValueError (one line) for an unknown name and for a missing compiler.
   """
   chip, shape = parse_name(name)
   if not isinstance(num_slices, int) or num_slices < 1:
     raise ValueError(f"--num_slices={num_slices} is not allowed; it must be an integer >= 1")
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  if chip.platform == "cuda":
+    return _gpu_target(name, chip, shape, num_slices, topologies)
   quiet_libtpu()
   try:
     import libtpu  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
     raise ValueError(f"--topology={name} needs libtpu, the TPU compiler, which is not installed; "
                      "pip install '.[tpu]' (or 'jax[tpu]' of the pinned jax) and run again")
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   shape3 = tuple(shape) + (1,) * (3 - len(shape))
   bounds = tuple(min(h, s) for h, s in zip(chip.host_bounds, shape3))
   desc = topologies.get_topology_desc(
       platform="tpu", topology_name=f"{chip.version}:{'x'.join(map(str, shape))}",
       chip_config_name=chip.chip_config, chips_per_host_bounds=bounds, num_slices=num_slices)
   return Target(name, chip, shape, num_slices, desc.devices)
+
+
+def _gpu_target(name, chip, shape, num_slices, topologies) -> Target:
+  """``hosts x per_host`` H100s: the CUDA plugin's topology from XLA's device description
+  (``target_config``) and a ``topology`` of ``1 x hosts x per_host``; the plugin skips its CUDA
+  runtime check (no driver here) and compiles with ptxas (the nvidia-cuda-nvcc-cu12 wheel)."""
+  if num_slices != 1:
+    raise ValueError(f"--num_slices={num_slices} is not allowed with --topology={name}; GPU "
+                     "hosts are one slice (h100-16: two hosts of 8)")
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  try:
+    import jax_plugins.xla_cuda12  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    raise ValueError(f"--topology={name} needs the CUDA plugin's compiler, which is not "
+                     "installed; pip install '.[cuda12]' nvidia-cuda-nvcc-cu12 and run again")
+  hosts, per_host = shape
+  try:
+    desc = topologies.get_topology_desc(topology_name=chip.version, platform="cuda",
+                                        target_config=H100_TARGET_CONFIG,
+                                        topology=f"1x{hosts}x{per_host}")
+  except NotImplementedError as e:  # the plugin did not register (CUDA checks not skipped)
+    raise ValueError(f"--topology={name}: the CUDA plugin offers no topology here ({e}); set "
+                     "JAX_PLATFORMS=cpu and run again")
+  return Target(name, chip, shape, 1, desc.devices)
 
 
 def mesh(config, tgt: Target):
@@ -173,31 +232,52 @@ def compile_report(config, tgt: Target, batch: Optional[int] = None, channels: i
   m = mesh(config, tgt)
   s = setup.build(config, info=setup.data_info(config, channels), mesh=m, batch=batch)
   t0 = time.perf_counter()
-  lowered = s.train_step.lower(*s.abstract_args())
+  # Traced as the target traces it (the attention kernel chosen per platform, models/layers.py);
+  # on GPUs XLA's attention: cuDNN's needs the GPU's libraries and devices to be traced.
+  with layers.target_platform("tpu" if tgt.chip.platform == "tpu" else None):
+    lowered = s.train_step.lower(*s.abstract_args())
   t1 = time.perf_counter()
-  compiled = compile_lowered(lowered)
+  compiled = compile_lowered(lowered, tgt)
   t2 = time.perf_counter()
   row = report_compiled(compiled, s, tgt, top)
   row.update(lower_seconds=round(t1 - t0, 2), compile_seconds=round(t2 - t1, 2))
   return row
 
 
-def compile_lowered(lowered):
-  """``lowered.compile()``, never written to a persistent compilation cache (the tests turn one
-  on), which could not load an executable for a slice that is not here."""
+# XLA:GPU without a device cannot autotune, and its default Triton GEMM tiling fails on some
+# shapes ("Couldn't find output tile sizes"): matmuls go to cuBLAS, as without Triton.
+GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def compile_lowered(lowered, tgt: Optional[Target] = None):
+  """``lowered.compile()`` for ``tgt``, never written to a persistent compilation cache (the tests
+  turn one on), which could not load an executable for a slice that is not here."""
   key = "jax_persistent_cache_min_compile_time_secs"
   before = getattr(jax.config, key)
   jax.config.update(key, float("inf"))
+  options = GPU_COMPILER_OPTIONS if tgt is not None and tgt.chip.platform == "cuda" else None
   try:
-    return lowered.compile()
+    return lowered.compile(compiler_options=options)
+  except jax.errors.JaxRuntimeError as e:
+    if "No PTX compilation provider" in str(e):
+      raise ValueError(f"--topology={tgt.name if tgt else ''} needs ptxas to compile for a GPU; "
+                       "pip install nvidia-cuda-nvcc-cu12 (or put a CUDA toolkit's bin on PATH)")
+    raise
   finally:
     jax.config.update(key, before)
 
 
 def xla_cost(compiled) -> Dict[str, float]:
+  """XLA's cost analysis of a compiled program (loops once). The CUDA plugin's deviceless
+  executables have none (``UNIMPLEMENTED: GetCostAnalysis``): XLA's generic ``HloCostAnalysis``
+  of the optimised module stands in (no ``optimal_seconds`` then)."""
   ca = compiled.cost_analysis()
   if isinstance(ca, (list, tuple)):  # older jax: one dict per program
     ca = ca[0] if ca else {}
+  if not ca:
+    from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top
+    module = compiled.runtime_executable().hlo_modules()[0]
+    ca = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
   return dict(ca or {})
 
 
@@ -213,7 +293,11 @@ def report_compiled(compiled, s, tgt: Target, top: int = 0) -> Dict[str, Any]:
   model_flops = s.flops_per_step / chips
   gib = lambda b: round(b / GIB, 3)
   unknown = sorted(k for k, v in cost.trips.items() if v is None)
+  with layers.target_platform("tpu" if chip.platform == "tpu" else None):
+    attention = layers.resolve_attention(s.config.model.get("attention_impl"),
+                                         s.config.model.dtype, 0, 64) or "xla"
   row = {
+      "attention": attention,
       "config": s.config.task, "preset": s.config.model.preset, "dtype": s.config.model.dtype,
       "remat": s.config.model.remat_policy, "topology": tgt.topology, "slice": tgt.name,
       "num_slices": tgt.num_slices, "chips": chips, "device_kind": chip.device_kind,
