@@ -5,7 +5,9 @@ Command (ImageNet-1k as TFDS ArrayRecord, prepared once, or an ImageFolder tree;
   (add --config.data.data_dir=$TFDS_DIR, or --config.data.dataset=imagefolder:/data/imagenet with
   train/ and val/ class folders; on a pod use launch/tpu_pod.sh, on GPUs launch/slurm.sh)
 Hardware: written for 32-128 TPU/GPU chips; any device count that divides the batch works, and
-  accum_steps splits the batch into microbatches when memory is short.
+  accum_steps splits the batch into microbatches when memory is short. bfloat16 compute with a
+  float32 encoder stream, parameters and loss, as the official code's fp16 autocast
+  (docs/official_code.md 1.11); the TPU compiler's cost model of both: docs/tpu.md.
 Expected time: not measured by us. Upstream MAE reports ViT-L/16 800 epochs in 15.4 h on 128
   TPU-v3 cores; ViT-B needs roughly a third of ViT-L's compute.
 Expected result (the paper's, not reproduced here): ImageNet-1k KNN 63.9% (baseline 27.4%),
@@ -20,4 +22,5 @@ def get_config():
   c = config_lib.mae_config()
   c.model.preset = "B/16"
   c.model.alpha_min = 0.6
+  c.model.dtype = "bfloat16"  # the official run's autocast (docstring)
   return c

@@ -67,6 +67,18 @@ def test_cudnn_is_chosen_for_any_token_count_on_a_gpu(monkeypatch):
   assert layers.resolve_attention(None, jnp.float32, 197, 64) is None
 
 
+def test_tpu_traces_the_heads_major_einsum():
+  """A program traced for a TPU (``target_platform``, as the ahead-of-time compile for a slice
+  does on a CPU host) takes the einsum attention; an explicit choice stays; outside, this host's."""
+  with layers.target_platform("tpu"):
+    assert layers.platform() == "tpu"
+    assert layers.resolve_attention(None, jnp.bfloat16, 197, 32) == "einsum"
+    assert layers.resolve_attention(None, jnp.float32, 50, 64) == "einsum"
+    assert layers.resolve_attention("xla", jnp.bfloat16, 50, 64) == "xla"
+  assert layers.platform() == jax.default_backend() == "cpu"
+  assert layers.resolve_attention(None, jnp.bfloat16, 197, 32) is None
+
+
 @pytest.fixture(scope="module")
 def micro_mae():
   from decay_jax.models import mae as mae_lib

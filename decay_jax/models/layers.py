@@ -104,8 +104,9 @@ def resolve_attention(implementation: Optional[str], dtype, tokens: int, head_di
                       ) -> Optional[str]:
   """The attention kernel for ``tokens`` x ``head_dim`` heads: ``implementation`` where given;
   where None, cuDNN flash attention on a GPU backend for bfloat16/float16 compute and head dims its
-  kernel takes (a multiple of 8 up to 128), for any token count (``attend`` pads odd ones), XLA's
-  otherwise (None).
+  kernel takes (a multiple of 8 up to 128), for any token count (``attend`` pads odd ones); on
+  TPUs the heads-major einsum (``einsum_attention``, which XLA:TPU's cost model puts cheaper than
+  XLA's ``dot_product_attention`` for MAE and SiT: docs/tpu.md); XLA's otherwise (None).
 
   An execution choice, not part of the model: both compute the same softmax attention.
   """
@@ -115,6 +116,8 @@ def resolve_attention(implementation: Optional[str], dtype, tokens: int, head_di
   if (platform() == "gpu" and jnp.dtype(dtype).name in CUDNN_DTYPES
       and head_dim % 8 == 0 and head_dim <= 128):
     return "cudnn"
+  if platform() == "tpu":
+    return "einsum"
   return None
 
 
