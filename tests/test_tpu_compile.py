@@ -53,6 +53,21 @@ def test_slice_names_and_one_line_errors():
                                                                      tpu.CHIPS["v5e"])
 
 
+def test_multislice_mesh_puts_data_parallel_across_slices():
+  """Two v5p-8 slices (8 chips): the trainer's mesh keeps each FSDP group inside one slice and
+  splits the data-parallel axis across the slices (their link is the data-centre network)."""
+  from decay_jax import sharding as shd
+  tgt = tpu.target("v5p-8", num_slices=2)
+  assert tgt.chips == 8 and {d.slice_index for d in tgt.devices} == {0, 1}
+  mesh = shd.make_mesh(-1, 4, devices=list(tgt.devices))
+  slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
+  assert mesh.devices.shape == (2, 4)
+  assert (slices == np.array([[0] * 4, [1] * 4])).all()
+  # FSDP over all 8 chips would leave one data-parallel replica for two slices
+  with pytest.raises(ValueError, match="mesh.data=1 is not allowed on 2 slices"):
+    shd.make_mesh(1, 8, devices=list(tgt.devices))
+
+
 def test_scanned_matmul_counted_per_trip(v5p):
   """A 7-step scan of a (256, 512) x (512, 512) matmul: XLA counts the body once, the recount
   7 times; both equal 2 M N K per body to the flop."""
