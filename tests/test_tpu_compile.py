@@ -159,6 +159,12 @@ def test_command_line_and_its_errors():
     p = subprocess.run(base + args, cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith(line), p.stderr
+  p = subprocess.run([sys.executable, "-m", "decay_jax.cli.bench", "--task=sit", "--preset=micro/4",
+                      "--topology=v5p-8"], cwd=REPO, env=env, capture_output=True, text=True,
+                     timeout=120)
+  assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
+      "error: --topology=v5p-8 is not allowed without --compile_only; there is no TPU here to "
+      "time the step on"), p.stderr
   # without libtpu: one line saying what to install
   code = ("import sys; sys.modules['libtpu'] = None; from decay_jax.cli import memory; "
           "sys.argv = ['memory', '--topology=v5p-8']; memory.run()")
