@@ -9,5 +9,9 @@ cd "$(dirname "$0")/.."
 source launch/slurm_deps.sh
 source launch/venv.sh requirements-test.txt
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -r requirements-test-nodeps.txt
+# The CUDA plugin's compiler for the GPU compile test, apart from .venv (requirements-gpu-compile.txt).
+[ -f .cuda_compile/.installed ] && cmp -s requirements-gpu-compile.txt .cuda_compile/.installed || {
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --upgrade \
+      --target .cuda_compile -r requirements-gpu-compile.txt && cp requirements-gpu-compile.txt .cuda_compile/.installed; }
 export JAX_PLATFORMS=cpu
 exec .venv/bin/python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadscope --durations=15 tests "$@"

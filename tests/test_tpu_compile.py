@@ -7,6 +7,7 @@ step of a micro MAE (data parallel) and a micro SiT (FSDP over 4 chips) is compi
 ``v5p:2x2x1`` through ``perf.tpu`` and the command line, and its report's fields checked.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -194,18 +195,38 @@ def test_full_size_sit_xl2_compiles_for_v5p_with_fsdp(v5p):
   assert row["argument_gib"] * 2 ** 30 < 0.35 * 16 * row["params"]
 
 
-def test_eight_h100s_without_a_gpu():
-  """The CUDA plugin compiles for 8 H100s from XLA's device description (no GPU, no driver):
-  the micro MAE's step compiles, its memory is XLA's, its loops are found (XLA:GPU annotates
-  their trip counts), and cuBLAS's matmuls are counted from their dot dimensions."""
-  tgt = tpu.target("h100-8")
-  assert tgt.chips == 8 and tgt.devices[0].device_kind == "NVIDIA H100 80GB HBM3"
-  row = tpu.compile_report(tiny_config(batch_size=64, **{"mesh.data": -1}), tgt)
-  assert row["data"] == 8 and row["fits"] and row["peak_gib"] > 0
+CUDA_COMPILE = os.path.join(REPO, ".cuda_compile")  # launch/test.sh installs it (pip --target)
+
+
+def test_eight_h100s_without_a_gpu(tmp_path):
+  """The CUDA plugin compiles for 8 H100s from XLA's device description (no GPU, no driver), in a
+  process that has the plugin on its path: the micro MAE's step compiles, its memory is XLA's,
+  its loops are found (XLA:GPU annotates their trip counts), and cuBLAS's matmuls are counted from
+  their dot dimensions, which XLA's generic cost analysis (the plugin has none) leaves out."""
+  assert os.path.isfile(os.path.join(CUDA_COMPILE, ".installed")), (
+      "the CUDA plugin's compiler is not in .cuda_compile/; run bash launch/test.sh, which "
+      "installs requirements-gpu-compile.txt there")
+  out = tmp_path / "rows.jsonl"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([CUDA_COMPILE, REPO]))
+  p = subprocess.run([sys.executable, "-m", "decay_jax.cli.memory",
+                      "--config=configs/mae_cpu_mnist.py", "--config.model.preset=micro/4",
+                      "--config.data.image_size=16", "--topology=h100-8", "--batch=64",
+                      f"--out={out}"], cwd=REPO, env=env, capture_output=True, text=True,
+                     timeout=600)
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert "for h100-8 (1 host(s) x 8 h100 x 1 slice(s), 8 NVIDIA H100 80GB HBM3 chips)" in p.stdout
+  row = json.loads(out.read_text())
+  assert row["chips"] == row["data"] == 8 and row["fits"] and row["peak_gib"] > 0
   assert set(row["loops"].values()) == {4}, row["loops"]
   assert row["cost_model"] == "roofline" and 0 < row["mfu"] < 1
-  # XLA's generic cost analysis (the plugin has none) does not count cuBLAS calls; the recount does
   assert row["hlo_flops_once"] > 2 * row["xla_flops"]
   assert 0.5 < row["model_over_hlo_flops"] < 1.2, row["model_over_hlo_flops"]
+
+
+def test_gpu_names_and_a_missing_plugin_are_one_line():
   with pytest.raises(ValueError, match="give h100-N GPUs, N = 1, 2, 4 or a multiple of 8"):
-    tpu.target("h100-12")
+    tpu.parse_name("h100-12")
+  assert tpu.parse_name("h100-16")[1] == (2, 8)
+  with pytest.raises(ValueError, match=r"--topology=h100-8 needs the CUDA plugin's compiler, "
+                                        r"which is not installed; pip install"):
+    tpu.target("h100-8")  # this process has no CUDA plugin (launch/test.sh keeps it apart)
