@@ -39,7 +39,9 @@ mae_vit_b16.py|v6e-64|
 "
 echo "$ROWS" | grep -v '^$' | grep -e "$FILTER" | while IFS='|' read -r config slice overrides; do
   echo "== $config on $slice $overrides"
+  # GPU rows: the CUDA plugin's compiler from .cuda_compile/ (requirements-gpu-compile.txt)
+  path=$PWD; case "$slice" in h100*) path=$PWD/.cuda_compile:$PWD;; esac
   # shellcheck disable=SC2086
-  "$PY" -m decay_jax.cli.memory --config="configs/$config" --topology="$slice" $overrides \
-      --out="$OUT" 2>&1 | grep -v '^[WI][0-9]\{4\}' | tail -12
+  PYTHONPATH=$path "$PY" -m decay_jax.cli.memory --config="configs/$config" --topology="$slice" \
+      $overrides --out="$OUT" 2>&1 | grep -v '^[WI][0-9]\{4\}' | tail -12
 done

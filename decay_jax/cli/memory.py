@@ -159,7 +159,7 @@ def _tpu_reports(configs, target) -> int:
   """Each config compiled for the TPU ``target``: its report, then the table of all."""
   print(f"{configs[0].task} {configs[0].model.preset}: {len(configs)} compile(s) for "
         f"{target.name} ({target.topology} x {target.num_slices} slice(s), {target.chips} "
-        f"{target.chip.device_kind} chips) with libtpu on this machine's CPU", flush=True)
+        f"{target.chip.device_kind} chips) with its compiler on this machine's CPU", flush=True)
   rows, t0 = [], time.perf_counter()
   for i, c in enumerate(configs):
     row = tpu.compile_report(c, target, FLAGS.batch or None, FLAGS.channels, FLAGS.top)
