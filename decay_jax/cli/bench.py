@@ -199,6 +199,8 @@ def torch_reference_seconds(config, model, batch: int, steps: int, profile: bool
 
 def main(argv):
   del argv
+  if _TOPOLOGY.value and _COMPILE_ONLY.value:  # compile targets only: leave this host's devices
+    jax.config.update("jax_platforms", "cpu")
   if _FAKE_DEVICES.value:  # before anything touches the backend
     if _FAKE_DEVICES.value < 1:
       print(f"error: --fake_devices={_FAKE_DEVICES.value} is not allowed; it must be >= 1",

@@ -96,6 +96,8 @@ def main(argv):
     print("error: --devices is not allowed with --topology; the slice sets the chip count",
           file=sys.stderr)
     return 2
+  if FLAGS.topology:  # the slice's devices are compile targets; never open this host's TPUs/GPUs
+    jax.config.update("jax_platforms", "cpu")
   if FLAGS.devices:  # before anything touches the backend
     if FLAGS.devices < 1:
       print(f"error: --devices={FLAGS.devices} is not allowed; it must be >= 1", file=sys.stderr)
