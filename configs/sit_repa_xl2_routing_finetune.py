@@ -23,6 +23,8 @@ The model fields must be the converted checkpoint's (its model.json): REPA's SiT
 (residual_routing 'plain', alpha_min 1, no long skip) without a sigma output (learn_sigma False)
 that runs in REPA's time and velocity convention (flow_convention 'repa'); a field that differs
 stops the run at its start, in one line.
+Compiled for its target (docs/tpu.md, 2026-12-07): v5p-16 (8 chips, 32 per chip): 20.2 of 88.5 GiB
+  per chip, fits; cost-model MFU 36.4%.
 """
 
 import os

@@ -152,9 +152,9 @@ def _config_name() -> str:
   """The config file's name (with its ``:ROW``) or the task's defaults."""
   if FLAGS.config is None:
     return f"{FLAGS.task} defaults"
-  name = os.path.basename(config_flags.get_config_filename(FLAGS["config"]))
   arg = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--config=")), "")
-  return name + (":" + arg.split(":", 1)[1] if ":" in arg else "")
+  return os.path.basename(arg) or os.path.basename(
+      config_flags.get_config_filename(FLAGS["config"]))
 
 
 def _tpu_reports(configs, target) -> int:

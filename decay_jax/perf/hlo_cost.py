@@ -22,9 +22,9 @@ between HBM and the cores):
           with holes, which are not counted) plus one per result element of its elementwise ops
           and one per input element of its reductions; transcendentals apart.
 
-With every weight 1 the flops equal XLA's own to rounding and the bytes XLA's within a few percent
-on v5p (docs/tpu.md gives the agreement per config; the tests check it on programs whose counts
-are known). ``Cost.seconds`` is a roofline per instruction, ``max(flops / peak, bytes /
+With every weight 1 the flops equal XLA's own to rounding; the bytes follow XLA's closely for some
+programs and exceed them for others (docs/tpu.md gives the agreement per config; the tests check
+the counts on programs whose counts are known). ``Cost.seconds`` is a roofline per instruction, ``max(flops / peak, bytes /
 bandwidth)``, summed; ``perf.tpu`` scales XLA's own ``optimal_seconds`` by the ratio of the
 weighted to the unweighted roofline.
 """
