@@ -34,12 +34,10 @@ import numpy as np
 
 from decay_jax import sharding as shd
 from decay_jax.models import layers
-from decay_jax.perf import hlo_cost
+from decay_jax.perf import hlo_cost, memory
 from decay_jax.train import setup
 
-GIB = 2 ** 30
-# Usable fraction of a chip's HBM assumed by ``fits`` (runtime, program, fragmentation).
-HEADROOM = 0.9
+GIB, HEADROOM = memory.GIB, memory.HEADROOM  # one byte unit and one usable fraction for all
 
 
 @dataclasses.dataclass(frozen=True)
