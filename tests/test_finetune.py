@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from decay_jax.io import official, rules
-from decay_jax.models import blocks
+from decay_jax.models import blocks, stack
 from decay_jax.models import mae as mae_lib
 from decay_jax.models import vit
 from decay_jax.models.residual import Residual
@@ -144,7 +144,7 @@ def test_drop_path_rates_eval_identity_and_training_statistics(tiny):
   class Probe(blocks.nn.Module):
     @blocks.nn.compact
     def __call__(self, branch):
-      return blocks.drop_path(self, branch, p)
+      return stack.drop_path(self, branch, p)
 
   out = np.asarray(Probe().apply({}, jnp.ones((20000, 3, 2)), rngs={"dropout": jax.random.key(2)}))
   per_example = out[:, 0, 0]
@@ -155,13 +155,13 @@ def test_drop_path_rates_eval_identity_and_training_statistics(tiny):
   # for a quarter of the examples (the sown branch norms are zero exactly when dropped).
   block = blocks.MAEBlock(2, stochastic_depth=True)
   xb = jax.random.normal(jax.random.key(3), (4000, 5, 8))
-  variables = block.init(jax.random.key(4), xb[:2], (1.0, 1.0), 0.0)
+  variables = block.init(jax.random.key(4), xb[:2], stack.BlockInputs((1.0, 1.0), drop_rate=0.0))
   # attn.proj and mlp.fc2 start at zero (the official init): random weights make both branches live.
   leaves, tree = jax.tree_util.tree_flatten(variables)
   variables = jax.tree_util.tree_unflatten(tree, [
       jax.random.normal(jax.random.key(10 + i), l.shape) for i, l in enumerate(leaves)])
-  _, inter = block.apply(variables, xb, (1.0, 1.0), 0.5, rngs={"dropout": jax.random.key(5)},
-                         mutable=["intermediates"])
+  _, inter = block.apply(variables, xb, stack.BlockInputs((1.0, 1.0), drop_rate=0.5),
+                         rngs={"dropout": jax.random.key(5)}, mutable=["intermediates"])
   attn = np.asarray(inter["intermediates"]["attn_norms"][0])[:, 0] == 0
   mlp = np.asarray(inter["intermediates"]["mlp_norms"][0])[:, 0] == 0
   assert attn.mean() == pytest.approx(0.5, abs=0.03) and mlp.mean() == pytest.approx(0.5, abs=0.03)

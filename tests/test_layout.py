@@ -183,3 +183,49 @@ def test_code_asks_the_task_object_not_its_name():
   bad = [f"{os.path.relpath(p, REPO)}:{i}: {line.strip()}" for p in MODULES.values()
          for i, line in enumerate(open(p), 1) if branch.search(line.split("#")[0])]
   assert not bad, "\n".join(bad)
+
+
+# The residual spec's protocol: only models/stack.py (and the spec itself) calls these.
+PROTOCOL = {"read", "branch_input", "branch", "add", "shortcut", "scale_branch", "scaled_init",
+            "inject", "update", "coefficients", "hyper_weights", "at_depth", "drop_path_rates",
+            "expand", "reduce"}
+SPEC_NAMES = {"res", "residual", "spec", "block_residual"}  # (a dict named res may update)
+
+
+def _is_spec(node) -> bool:
+  """Whether an expression reads as a residual spec: ``res``, ``self.residual``,
+  ``m.block_residual``, ``Residual(...)``."""
+  if isinstance(node, ast.Name):
+    return node.id in SPEC_NAMES
+  if isinstance(node, ast.Attribute):
+    return node.attr in SPEC_NAMES
+  if isinstance(node, ast.Call):
+    f = node.func
+    return (isinstance(f, ast.Name) and f.id == "Residual") or (
+        isinstance(f, ast.Attribute) and f.attr == "Residual")
+  return False
+
+
+def test_only_the_stack_calls_the_residual_protocol():
+  """Blocks and models go through ``models/stack.py`` (``sublayer``, ``create``, ``inputs`` ...);
+  a residual form then changes the spec, not every block (docs/layout.md)."""
+  allowed = {"decay_jax.models.stack", "decay_jax.models.residual"}
+  bad = []
+  for name, path in MODULES.items():
+    if name in allowed:
+      continue
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+      if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+          and node.func.attr in PROTOCOL and _is_spec(node.func.value)
+          and not (node.func.attr == "update" and isinstance(node.func.value, ast.Name))):
+        bad.append(f"{os.path.relpath(path, REPO)}:{node.lineno}: .{node.func.attr}(")
+  assert not bad, "\n".join(bad)
+
+
+def test_the_protocol_check_sees_a_block_calling_the_spec():
+  """The check above is not vacuous: it finds the calls blocks used to make."""
+  src = "x = res.add(x, a, h)\ny = self.residual.expand(t)\nz = Residual(drop_path=0.1).drop_path_rates(4)\n"
+  found = [n.func.attr for n in ast.walk(ast.parse(src))
+           if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+           and n.func.attr in PROTOCOL and _is_spec(n.func.value)]
+  assert found == ["add", "expand", "drop_path_rates"]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decay_jax.models import factory, flops, routing
+from decay_jax.models import factory, flops, routing, stack
 from decay_jax.models import sit as sit_lib
 from decay_jax.models.blocks import SiTBlock
 from decay_jax.models.residual import Residual
@@ -109,9 +109,10 @@ def test_unrouted_block_equals_the_official_sit_block():
   c = jnp.asarray(RNG.standard_normal((2, 32)), jnp.float32)
   alpha = jnp.asarray([0.9, 0.8], jnp.float32)
   ref = SiTBlock(2)
-  params = jax.jit(ref.init)(jax.random.key(0), x, alpha, c)["params"]
+  state = stack.BlockInputs(alpha)
+  params = jax.jit(ref.init)(jax.random.key(0), x, state, c)["params"]
   params = jax.tree_util.tree_map(lambda p: p + 0.1 * jnp.ones_like(p), params)  # gates != 0
-  want, _ = jax.jit(ref.apply)({"params": params}, x, alpha, c)
+  want, _ = jax.jit(ref.apply)({"params": params}, x, state, c)
   got = jax.jit(routing.RoutedSiTBlock(2).apply)({"params": params}, x, alpha, c)
   np.testing.assert_array_equal(got, want)
 

@@ -14,7 +14,7 @@ import torch_reference_uvit as uref
 from parity import assert_grads_match, nhwc
 from decay_jax.io import convert_uvit as convert
 from decay_jax.io.rules import ConversionError
-from decay_jax.models import factory
+from decay_jax.models import factory, stack
 from decay_jax.models import uvit as uvit_lib
 from decay_jax.models.residual import Residual
 from decay_jax.models.sit import timestep_frequencies
@@ -230,7 +230,8 @@ def test_init_follows_uvit(initialised):
     assert not jnp.any(p[part]["mlp"]["fc2"]["kernel"])
   assert uvit_lib.UViT(**SMALL, mode="uvit_original").zero_init is False
   block = uvit_lib.UViTBlock(num_heads=2, zero_init=False)
-  pb = jax.jit(block.init)(jax.random.key(0), jnp.zeros((1, 4, 256)), jnp.ones(2))["params"]
+  pb = jax.jit(block.init)(jax.random.key(0), jnp.zeros((1, 4, 256)),
+                      stack.BlockInputs(jnp.ones(2)))["params"]
   for w in (pb["attn"]["proj"]["kernel"], pb["mlp"]["fc2"]["kernel"]):
     assert float(jnp.std(w)) == pytest.approx(0.02, rel=0.05)
 
@@ -256,7 +257,7 @@ def test_zero_init_blocks_scale_the_stream_and_skips_mirror(initialised):
 
 def test_tokens_and_time_embedding(initialised):
   """Token order [label, time, patches]; the time token is the cos-first sinusoid of width D."""
-  m, p = initialised["m"], initialised["params"]
+  p = initialised["params"]
   tokens = initialised["tokens"] - p["pos_embed"]
   np.testing.assert_allclose(tokens[:, 0], p["label_emb"]["embedding"][initialised["y"]],
                              rtol=0, atol=1e-6)

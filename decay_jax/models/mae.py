@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decay_jax.models import fields, layers
+from decay_jax.models import fields, layers, stack
 from decay_jax.models import residual as residual_lib
 from decay_jax.models.blocks import MAEBlock
 from decay_jax.models.layers import Dtype
@@ -134,12 +134,10 @@ class MaskedAutoencoder(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
     self.cls_token = self.param("cls_token", layers.normal(0.02), (1, 1, self.dim))
     self.decoder_cls_token = self.param("decoder_cls_token", layers.normal(0.02),
                                         (1, 1, self.decoder_dim))
-    self.alpha = self.residual.coefficients(self, self.depth)  # (depth, 2)
-    self.hyper = self.residual.hyper_weights(self, self.depth, self.dim)  # None, or (depth, 2, ..)
-    self.blocks = layers.scan_blocks(MAEBlock, self.depth, in_axes=0,
-                                     remat_policy=self.remat_policy)(
+    self.stream = stack.create(self, self.residual, self.depth, self.dim)
+    self.blocks = stack.scan(MAEBlock, self.depth, self.remat_policy)(
         num_heads=self.num_heads, mlp_ratio=self.mlp_ratio,
-        residual=self.residual.at_depth(self.depth), dtype=self.dtype,
+        residual=stack.blocks_residual(self.residual, self.depth), dtype=self.dtype,
         attention_impl=self.attention_impl)
     self.skip = [SkipLayer(self.dtype) for k in range(self.num_skip_layers)]
     self.decoder_embed = nn.Dense(self.decoder_dim, dtype=self.dtype,
@@ -168,9 +166,8 @@ class MaskedAutoencoder(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
     ``drop_u (depth, N, 2)``: the drop-path draws of training (``residual.drop_path``)."""
     cls = self.cls_token + self.pos_embed()[None, :1]
     x = jnp.concatenate([jnp.broadcast_to(cls, (x.shape[0], 1, self.dim)), x], axis=1)
-    _, outs = self.blocks(self.residual.expand(x), self.alpha,
-                          jnp.asarray(self.residual.drop_path_rates(self.depth)), drop_u,
-                          self.hyper)
+    _, outs = self.blocks(stack.expand(self.residual, x),
+                          stack.inputs(self.residual, self.stream, drop_u=drop_u))
     return outs
 
   def forward_encoder(self, imgs, noise, drop_u=None):
@@ -190,7 +187,7 @@ class MaskedAutoencoder(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
     for k, block in enumerate(self.decoder_blocks):
       if k < self.num_skip_layers:
         u = self.skip[k](u, block_outs[self.skip_ids[-1 - k]], ids_restore)
-      u, _ = block(u, (1.0, 1.0))
+      u, _ = block(u, stack.PLAIN)
       norms.append(jnp.linalg.norm(u, axis=-1).mean())
     pred = self.decoder_pred(self.decoder_norm(u)).astype(jnp.float32)
     return pred[:, 1:], jnp.stack(norms)

@@ -48,10 +48,11 @@ the one place that
     parameter ``alpha (depth, 2)`` initialised from the schedule (``shortcut_form='learnable'``),
   * applies the update (``update(x, alpha, branch)``; its sum is in ``x``'s dtype, float32).
 
-A new residual form (a new field or ``shortcut_form``) is added here (a new ``shortcut_form``
-value also to ``schedules.FORMS``) and in the blocks that read it (``models/blocks.py``,
-``uvit.UViTBlock``, ``routing.RoutedSiTBlock``); configs, ``model.json`` and the factory take the
-fields from ``fields()`` / ``from_fields``.
+A new residual form (a new field, or a new value of one) is added here only (a new
+``shortcut_form`` value also to ``schedules.FORMS``): blocks and models reach these methods only
+through ``models/stack.py`` (``sublayer`` does read -> branch -> gain -> add), so what a form
+changes of them reaches every block; configs, ``model.json`` and the factory take the fields from
+``fields()`` / ``from_fields``.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from decay_jax import validate
-from decay_jax.models import layers
+from decay_jax.models import layers, stack
 from decay_jax.models.blocks import modulate
 from decay_jax.models.layers import Dtype
 from decay_jax.models.residual import Residual
@@ -156,7 +156,7 @@ class RoutedSiTBlock(nn.Module):
   ``x <- Linear([x; sources[0]])`` first.
   ``attnres``: ``x`` is unused, ``sources`` are the values ``v_0..v_{l-1}``, and the block returns
   its two new values ``(v_attn, v_mlp)`` (spec 6.1); otherwise it returns the new stream
-  ``(N, T, d)``. Each sublayer's update is ``residual.update``: ``x <- a x~ + s g f(x~)``, with
+  ``(N, T, d)``. Each sublayer's update is ``stack.sublayer``: ``x <- a x~ + s f(x~)``, with
   ``a = 1`` where the decay mode already decayed inside the routing.
   """
   num_heads: int
@@ -183,18 +183,21 @@ class RoutedSiTBlock(nn.Module):
       self.sow("intermediates", f"route_{SUBLAYERS[i]}", pi.mean(axis=-1).T)  # (N, |U|)
     return out
 
-  def _branch(self, i: int, h, mod):
-    """Gated sublayer output ``g_i * f_i(mod(LN(h)))`` (before the residual's ``branch_scale``)."""
-    dim = h.shape[-1]
+  def _branch(self, i: int, mod):
+    """Sublayer ``i``'s norm and gated branch ``h -> g_i * f_i(mod(h))`` on the normalised
+    input (before the residual's ``branch_scale``)."""
     shift, scale, gate = mod[3 * i], mod[3 * i + 1], mod[3 * i + 2]
-    h = modulate(layers.layer_norm(f"norm{i + 1}", affine=False)(h), shift, scale)
-    if i == 0:
-      h = layers.Attention(self.num_heads, self.dtype, implementation=self.attention_impl,
-                           name="attn")(h)
-    else:
-      h = layers.Mlp(int(dim * self.mlp_ratio), approximate_gelu=True, dtype=self.dtype,
-                     name="mlp")(h)
-    return gate[:, None, :] * h
+    norm = layers.layer_norm(f"norm{i + 1}", affine=False)
+
+    def f(h):
+      if i == 0:
+        h = layers.Attention(self.num_heads, self.dtype, implementation=self.attention_impl,
+                             name="attn")(modulate(h, shift, scale))
+      else:
+        h = layers.Mlp(int(h.shape[-1] * self.mlp_ratio), approximate_gelu=True,
+                       dtype=self.dtype, name="mlp")(modulate(h, shift, scale))
+      return gate[:, None, :] * h
+    return norm, f
 
   @nn.compact
   def __call__(self, x, alpha, c, sources=(), nulls=(None, None)):
@@ -206,7 +209,8 @@ class RoutedSiTBlock(nn.Module):
       values = list(sources)
       for i in range(2):
         h = self._route(i, values, None)
-        values.append(self.residual.scale_branch(self._branch(i, h, mod).astype(jnp.float32)))
+        norm, f = self._branch(i, mod)
+        values.append(stack.scaled_branch(self.residual, f(norm(h)).astype(jnp.float32)))
       return values[-2], values[-1]
     if self.skip:
       x = nn.Dense(dim, dtype=self.dtype, kernel_init=nn.initializers.truncated_normal(0.02),
@@ -218,7 +222,8 @@ class RoutedSiTBlock(nn.Module):
         x = self._route(i, [a * x if self.decay == "current" else x, *sources], nulls[i])
         if self.decay in ("current", "null"):
           a = 1.0  # the decay already acted inside the routing
-      x = self.residual.update(x, a, self._branch(i, x, mod))
+      norm, f = self._branch(i, mod)
+      x = stack.sublayer(self, self.residual, i, x, stack.BlockInputs((a, a)), norm, f)
     return x
 
 

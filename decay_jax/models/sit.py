@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from decay_jax import validate
-from decay_jax.models import fields, layers, routing
+from decay_jax.models import fields, layers, routing, stack
 from decay_jax.models import residual as residual_lib
-from decay_jax.models.blocks import SiTBlock, SiTInputs, modulate
+from decay_jax.models.blocks import SiTBlock, modulate
 from decay_jax.models.layers import Dtype
 from decay_jax.models.residual import Residual
 
@@ -108,8 +108,7 @@ class SiT(residual_lib.HasResidual, nn.Module):
     self.t_embedder = TimestepEmbedder(self.dim, self.dtype)
     self.y_embedder = nn.Embed(self.num_classes + int(self.class_dropout_prob > 0), self.dim,
                                embedding_init=layers.normal(0.02))
-    self.alpha = self.residual.coefficients(self, self.depth)  # (depth, 2)
-    self.hyper = self.residual.hyper_weights(self, self.depth, self.dim)  # None, or (depth, 2, ..)
+    self.stream = stack.create(self, self.residual, self.depth, self.dim)
     if self.residual_routing != "none":
       self.trunk = routing.RoutedTrunk(
           depth=self.depth, num_heads=self.num_heads, mlp_ratio=self.mlp_ratio,
@@ -118,11 +117,11 @@ class SiT(residual_lib.HasResidual, nn.Module):
           gate=self.routing_gate, capture=self.repa_depth)
     else:
       common = dict(num_heads=self.num_heads, mlp_ratio=self.mlp_ratio,
-                    residual=self.residual.at_depth(self.depth), dtype=self.dtype,
+                    residual=stack.blocks_residual(self.residual, self.depth), dtype=self.dtype,
                     attention_impl=self.attention_impl)
-      self.enc_blocks = layers.scan_blocks(SiTBlock, half, (0, nn.broadcast), self.remat_policy)(
+      self.enc_blocks = stack.scan(SiTBlock, half, self.remat_policy, broadcast=1)(
           has_skip=False, **common)
-      self.dec_blocks = layers.scan_blocks(SiTBlock, half, (0, nn.broadcast), self.remat_policy)(
+      self.dec_blocks = stack.scan(SiTBlock, half, self.remat_policy, broadcast=1)(
           has_skip=True, **common)
     self.final_adaLN = nn.Dense(2 * self.dim, dtype=self.dtype, kernel_init=layers.zeros,
                                 bias_init=layers.zeros)
@@ -147,17 +146,12 @@ class SiT(residual_lib.HasResidual, nn.Module):
       y = jnp.where(drop, self.num_classes, y)
     return self.y_embedder(y)
 
-  def block_inputs(self, half: int, drop_u=None, skips=None) -> SiTInputs:
+  def block_inputs(self, half: int, drop_u=None, skips=None) -> stack.BlockInputs:
     """The scanned inputs of the encoder (``half`` 0) or decoder (1) blocks: their ``alpha``, the
-    long-skip sources ``skips`` (decoder) and, with draws ``drop_u (depth, N, 2)``, their drop
-    rates and draws."""
+    long-skip sources ``skips`` (decoder), drop rates and draws ``drop_u (depth, N, 2)``."""
     k = self.depth // 2
     part = slice(0, k) if half == 0 else slice(k, None)
-    hyper = None if self.hyper is None else {k: v[part] for k, v in self.hyper.items()}
-    if drop_u is None:
-      return SiTInputs(self.alpha[part], skips, hyper=hyper)
-    rates = jnp.asarray(self.residual.drop_path_rates(self.depth))
-    return SiTInputs(self.alpha[part], skips, rates[part], drop_u[part], hyper)
+    return stack.inputs(self.residual, self.stream, part, drop_u, skips)
 
   def __call__(self, x, t, y, train: bool = False, force_drop_ids=None, drop_u=None,
                features: bool = False):
@@ -173,14 +167,14 @@ class SiT(residual_lib.HasResidual, nn.Module):
             + self.embed_labels(y, train, force_drop_ids).astype(jnp.float32))
     aligned = None  # the stream after block repa_depth
     if self.residual_routing != "none":
-      tokens = self.trunk(tokens, self.alpha, cond)
+      tokens = self.trunk(tokens, self.stream.alpha, cond)
       if self.repa_depth:
         tokens, aligned = tokens
     else:
-      tokens = self.residual.expand(tokens)  # n streams with hyper-connections
+      tokens = stack.expand(self.residual, tokens)  # n streams with hyper-connections
       tokens, enc_outs = self.enc_blocks(tokens, self.block_inputs(0, drop_u), cond)
       tokens, _ = self.dec_blocks(tokens, self.block_inputs(1, drop_u, enc_outs[::-1]), cond)
-      tokens = self.residual.reduce(tokens)
+      tokens = stack.reduce(self.residual, tokens)
       aligned = enc_outs[self.repa_depth - 1] if self.repa_depth else None
     shift, scale = jnp.split(self.final_adaLN(nn.silu(cond)).astype(jnp.float32), 2, axis=-1)
     out = self.final_linear(modulate(self.norm_final(tokens),

@@ -56,9 +56,8 @@ import jax
 import jax.numpy as jnp
 
 from decay_jax import validate
-from decay_jax.models import fields, layers, schedules
+from decay_jax.models import fields, layers, schedules, stack
 from decay_jax.models import residual as residual_lib
-from decay_jax.models.blocks import drop_branch, sow_branch_norms
 from decay_jax.models.layers import Dtype
 from decay_jax.models.residual import Residual
 from decay_jax.models.sit import timestep_frequencies
@@ -121,16 +120,17 @@ def torch_conv(features: int, kernel: int, fan_in: int, dtype: Dtype, padding, s
 
 
 class UViTBlock(nn.Module):
-  """U-ViT ``Block`` with decayed shortcuts, written for ``nn.scan``: ``(x, xs) -> (x, x)``.
+  """U-ViT ``Block`` with decayed shortcuts, written for ``nn.scan``: ``(x, state) -> (x, x)``.
 
-  ``xs`` is this block's ``alpha = (alpha_attn, alpha_mlp)``, or ``(alpha, s)`` when ``skip_mode``
-  is 'concat' (``x <- skip_linear([x ; s])``, Linear(2D, D)) or 'add' (``x <- x + skip_linear(s)``,
-  Linear(D, D)); then ``x <- alpha_attn x + Attn(LN1 x)``, ``x <- alpha_mlp x + MLP(LN2 x)``
-  (``residual.update``). ``x, s: (B, T, D)`` float32, ``alpha (2,)``; output ``(B, T, D)``. With
-  ``zero_init`` the ``attn.proj`` and ``mlp.fc2`` kernels start at zero. With ``'intermediates'``
-  mutable it sows ``attn_norms`` / ``mlp_norms`` as ``MAEBlock``. With hyper-connections
-  (``hyper``: this block's ``(2, ...)`` weights) ``x`` is the streams ``(B, T, n, D)``, the
-  long skip is ``SkipLinear``'s per-stream rule and the second output is the streams' sum.
+  ``state`` is this block's ``stack.BlockInputs``: ``alpha = (alpha_attn, alpha_mlp)`` and, when
+  ``skip_mode`` is 'concat' (``x <- skip_linear([x ; s])``, Linear(2D, D)) or 'add'
+  (``x <- x + skip_linear(s)``, Linear(D, D)), the long-skip source ``skip = s``; then
+  ``x <- alpha_attn x + Attn(LN1 x)``, ``x <- alpha_mlp x + MLP(LN2 x)`` (``stack.sublayer``).
+  ``x, s: (B, T, D)`` float32; output ``(B, T, D)``. With ``zero_init`` the ``attn.proj`` and
+  ``mlp.fc2`` kernels start at zero. With ``'intermediates'`` mutable it sows ``attn_norms`` /
+  ``mlp_norms`` as ``MAEBlock``. With hyper-connections (``state.hyper``: this block's
+  ``(2, ...)`` weights) ``x`` is the streams ``(B, T, n, D)``, the long skip is ``SkipLinear``'s
+  per-stream rule and the second output is the streams' sum.
   """
   num_heads: int
   mlp_ratio: float = 4.0
@@ -142,35 +142,25 @@ class UViTBlock(nn.Module):
   attention_impl: Optional[str] = None
 
   @nn.compact
-  def __call__(self, x, xs, drop_rate=0.0, drop_u=None, hyper=None):
+  def __call__(self, x, state: stack.BlockInputs):
     d = x.shape[-1]
     res = self.residual
-    alpha = xs
-    if self.skip_mode != "none":
-      alpha, s = xs
-      if self.skip_mode == "concat":
-        x = SkipLinear(d, self.dtype, res.hyper_rate if res.hyper else 0, name="skip_linear")(
-            x, s).astype(jnp.float32)
-      else:
-        x = res.inject(x, dense(d, self.dtype, "skip_linear")(s))
-    last_init = res.scaled_init(layers.zeros if self.zero_init else linear_init)
-    norm1, norm2 = layer_norm("norm1"), layer_norm("norm2")
-    x_in, conn = res.read(x, hyper, 0)
-    h = layers.Attention(self.num_heads, self.dtype, last_init, self.attention_impl,
-                         qkv_bias=self.qkv_bias,
-                         qkv_init=res.scaled_init(linear_init, value_only=True),
-                         name="attn")(res.branch_input(norm1, x_in))
-    h = res.branch(self, "attn", drop_branch(self, h, drop_rate, drop_u, 0))
-    sow_branch_norms(self, "attn_norms", x_in, res.shortcut(alpha[0]), h)
-    x = res.add(x, alpha[0], h, norm1, conn)
-    x_in, conn = res.read(x, hyper, 1)
-    h = layers.Mlp(int(d * self.mlp_ratio), approximate_gelu=False, dtype=self.dtype,
-                   fc2_init=last_init, fc1_init=res.scaled_init(linear_init),
-                   name="mlp")(res.branch_input(norm2, x_in))
-    h = res.branch(self, "mlp", drop_branch(self, h, drop_rate, drop_u, 1))
-    sow_branch_norms(self, "mlp_norms", x_in, res.shortcut(alpha[1]), h)
-    x = res.add(x, alpha[1], h, norm2, conn)
-    return x, res.reduce(x)
+    if self.skip_mode == "concat":
+      x = SkipLinear(d, self.dtype, stack.streams(res), name="skip_linear")(
+          x, state.skip).astype(jnp.float32)
+    elif self.skip_mode == "add":
+      x = stack.inject(res, x, dense(d, self.dtype, "skip_linear")(state.skip))
+    last_init = stack.output_init(res, linear_init, zero=self.zero_init)
+    attn = layers.Attention(self.num_heads, self.dtype, last_init, self.attention_impl,
+                            qkv_bias=self.qkv_bias,
+                            qkv_init=stack.branch_init(res, linear_init, value_only=True),
+                            name="attn")
+    mlp = layers.Mlp(int(d * self.mlp_ratio), approximate_gelu=False, dtype=self.dtype,
+                     fc2_init=last_init, fc1_init=stack.branch_init(res, linear_init),
+                     name="mlp")
+    x = stack.sublayer(self, res, 0, x, state, layer_norm("norm1"), attn)
+    x = stack.sublayer(self, res, 1, x, state, layer_norm("norm2"), mlp)
+    return x, stack.reduce(res, x)
 
 
 class UViT(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
@@ -256,16 +246,15 @@ class UViT(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
     if self.conditional:
       self.label_emb = nn.Embed(self.num_classes, d, embedding_init=layers.normal(1.0))
     self.pos_embed = self.param("pos_embed", linear_init, (1, self.extras + self.num_patches, d))
-    self.alpha = self.block_residual.coefficients(self, self.num_blocks)  # (2K + 1, 2)
-    # None, or the hyper-connection weights (2K + 1, 2, ...) in block order in -> mid -> out
-    self.hyper = self.block_residual.hyper_weights(self, self.num_blocks, self.dim)
+    # alpha (2K + 1, 2) and the hyper-connection weights, in block order in -> mid -> out
+    self.stream = stack.create(self, self.block_residual, self.num_blocks, self.dim)
     common = dict(num_heads=self.num_heads, mlp_ratio=self.mlp_ratio, qkv_bias=self.qkv_bias,
-                  zero_init=self.zero_init, residual=self.block_residual.at_depth(self.num_blocks),
-                  dtype=self.dtype, attention_impl=self.attention_impl)
-    self.in_blocks = layers.scan_blocks(UViTBlock, self.half, 0, self.remat_policy)(
+                  zero_init=self.zero_init, dtype=self.dtype, attention_impl=self.attention_impl,
+                  residual=stack.blocks_residual(self.block_residual, self.num_blocks))
+    self.in_blocks = stack.scan(UViTBlock, self.half, self.remat_policy)(
         skip_mode="none", **common)
     self.mid_block = layers.remat(UViTBlock, self.remat_policy)(skip_mode="none", **common)
-    self.out_blocks = layers.scan_blocks(UViTBlock, self.half, 0, self.remat_policy)(
+    self.out_blocks = stack.scan(UViTBlock, self.half, self.remat_policy)(
         skip_mode=self.skip_mode, **common)
     self.norm = layer_norm()
     self.decoder_pred = dense(p * p * c, self.dtype)
@@ -297,17 +286,13 @@ class UViT(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
     hyper-connections each of them the sum of its ``n`` streams).
     ``drop_u (2K + 1, B, 2)``: the drop-path draws of training (``residual.drop_path``)."""
     k, res = self.half, self.block_residual
-    rates = jnp.asarray(res.drop_path_rates(self.num_blocks))
-    u = (lambda i, j: None) if drop_u is None else (lambda i, j: drop_u[i:j])
-    w = (lambda i: None) if self.hyper is None else (
-        lambda i: {name: v[i] for name, v in self.hyper.items()})
-    h, in_outs = self.in_blocks(res.expand(tokens), self.alpha[:k], rates[:k], u(0, k),
-                                w(slice(0, k)))
-    h, mid = self.mid_block(h, self.alpha[k], rates[k], None if drop_u is None else drop_u[k],
-                            w(k))
-    xs = self.alpha[k + 1:] if self.skip_mode == "none" else (self.alpha[k + 1:], in_outs[::-1])
-    h, out_outs = self.out_blocks(h, xs, rates[k + 1:], u(k + 1, None), w(slice(k + 1, None)))
-    return res.reduce(h), in_outs, mid, out_outs
+    h, in_outs = self.in_blocks(stack.expand(res, tokens),
+                                stack.inputs(res, self.stream, slice(0, k), drop_u))
+    h, mid = self.mid_block(h, stack.inputs(res, self.stream, k, drop_u))
+    skips = None if self.skip_mode == "none" else in_outs[::-1]
+    h, out_outs = self.out_blocks(h, stack.inputs(res, self.stream, slice(k + 1, None), drop_u,
+                                                  skips))
+    return stack.reduce(res, h), in_outs, mid, out_outs
 
   def block_outputs(self, x, t, y=None):
     """The residual stream after every block, in -> mid -> out: ``(2K+1, B, extras + N, D)``.

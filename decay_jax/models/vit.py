@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from decay_jax import validate
-from decay_jax.models import fields, layers
+from decay_jax.models import fields, layers, stack
 from decay_jax.models import mae as mae_lib
 from decay_jax.models import residual as residual_lib
 from decay_jax.models.blocks import MAEBlock
@@ -38,7 +38,7 @@ HEAD_INIT_STD = 2e-5  # upstream main_finetune.py: trunc_normal_(head.weight, st
 def drop_path_rates(depth: int, drop_path: float) -> np.ndarray:
   """timm's per-block rates, float32 ``linspace(0, drop_path, depth)``: block 0 never drops
   (``Residual.drop_path_rates``, the one rule of every model)."""
-  return Residual(drop_path=drop_path).drop_path_rates(depth)
+  return np.asarray(stack.drop_rates(Residual(drop_path=drop_path), depth))
 
 
 class ViTClassifier(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
@@ -83,15 +83,15 @@ class ViTClassifier(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
         (1, self.num_patches + 1, self.dim))
     x = jnp.concatenate([jnp.broadcast_to(cls_token, (x.shape[0], 1, self.dim)), x], axis=1)
     x = x + pos_embed
-    blocks = layers.scan_blocks(MAEBlock, self.depth, in_axes=0, remat_policy=self.remat_policy)(
+    blocks = stack.scan(MAEBlock, self.depth, self.remat_policy)(
         num_heads=self.num_heads, mlp_ratio=self.mlp_ratio,
-        residual=self.residual.at_depth(self.depth), dtype=self.dtype,
+        residual=stack.blocks_residual(self.residual, self.depth), dtype=self.dtype,
         attention_impl=self.attention_impl, stochastic_depth=self.train,
         name="blocks")
-    hyper = self.residual.hyper_weights(self, self.depth, self.dim)  # None, or (depth, 2, ...)
-    x, _ = blocks(self.residual.expand(x), self.residual.coefficients(self, self.depth),
-                  jnp.asarray(self.residual.drop_path_rates(self.depth)), drop_u, hyper)
-    x = self.residual.reduce(x)  # hyper-connections: the streams' sum, as MAE's features
+    stream = stack.create(self, self.residual, self.depth, self.dim)
+    x, _ = blocks(stack.expand(self.residual, x),
+                  stack.inputs(self.residual, stream, drop_u=drop_u))
+    x = stack.reduce(self.residual, x)  # hyper-connections: the streams' sum, as MAE's features
     pooled = layers.layer_norm("fc_norm")(x[:, 1:].mean(axis=1))
     head = nn.Dense(self.num_classes, dtype=self.dtype, name="head",
                     kernel_init=nn.initializers.truncated_normal(HEAD_INIT_STD, lower=-2e5,
