@@ -13,5 +13,7 @@ source launch/venv.sh requirements-test.txt
 [ -f .cuda_compile/.installed ] && cmp -s requirements-gpu-compile.txt .cuda_compile/.installed || {
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --upgrade \
       --target .cuda_compile -r requirements-gpu-compile.txt && cp requirements-gpu-compile.txt .cuda_compile/.installed; }
+# The linter first (pyproject.toml [tool.ruff]); a finding fails the run as a test would.
+.venv/bin/ruff check --quiet decay_jax tests research launch
 export JAX_PLATFORMS=cpu
 exec .venv/bin/python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadscope --durations=15 tests "$@"

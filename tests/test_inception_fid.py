@@ -5,7 +5,6 @@ Score on known distributions, statistics files and the ``decay_jax.cli.fid`` com
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.linalg

@@ -1,6 +1,5 @@
 """Latent shards: format, exact resume, per-process split, flip versions, errors."""
 
-import ml_collections
 import numpy as np
 import pytest
 

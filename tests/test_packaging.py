@@ -9,7 +9,6 @@ venv that sees the test interpreter's site-packages through a ``.pth`` file: a v
 venv's python with ``--system-site-packages`` would see the *base* interpreter's packages instead.
 """
 
-import ast
 import fcntl
 import fnmatch
 import importlib.metadata

@@ -9,7 +9,6 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import tensorflow_datasets as tfds
 
 from decay_jax.train import checkpoint

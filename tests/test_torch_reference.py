@@ -5,7 +5,6 @@ import os
 import sys
 
 import numpy as np
-import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -3,7 +3,6 @@ resume equivalence after a simulated preemption, non-finite stop, config validat
 
 import glob
 import importlib.util
-import json
 import os
 import subprocess
 import sys

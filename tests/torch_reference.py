@@ -11,7 +11,6 @@ import math
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 __all__ = [
     "get_1d_sincos_pos_embed_from_grid",
