@@ -31,7 +31,12 @@ Where the sublayer's norm sits (``norm_position``):
   * ``'deepnorm'`` (DeepNet, Wang et al. 2022): post-norm with the identity up-weighted by
     ``a = (2N)^(1/4)``, ``x <- LN(a alpha x + g f(x))``, and the init of the FFN (``fc1``,
     ``fc2``), the value third of ``qkv`` and ``attn.proj`` scaled by ``b = (8N)^(-1/4)``, for a
-    model of ``N`` blocks (the encoder-only constants).
+    model of ``N`` blocks (the encoder-only constants);
+  * ``'none'`` (SkipInit, De & Smith 2020; ReZero's paper): no norm in the block,
+    ``x <- alpha x + g f(x)``; the sublayer's norm is never applied, so the block has no norm
+    parameters. Meant with a gain that starts at 0 (``branch_gain='rezero'``: SkipInit, one
+    scalar per branch), which keeps the unnormalised stack the identity at init; the model's own
+    norms outside the blocks (MAE's encoder ``norm``, SiT's ``norm_final``) stay.
 
 Stochastic depth (``drop_path``, timm's rule: rate ``linspace(0, drop_path, N)[l]`` in block
 ``l``) drops each example's branch with that probability and divides the kept ones by the keep
@@ -85,8 +90,8 @@ class Residual:
     branch_gain: 'none', 'layerscale' or 'rezero': a trained gain on every branch (module
       docstring).
     gain_init: the gains' initial value; -1 (default) is the form's own (CaiT's rule, or 0).
-    norm_position: 'pre', 'post' or 'deepnorm': where each sublayer's LayerNorm sits (module
-      docstring).
+    norm_position: 'pre', 'post', 'deepnorm' or 'none': where each sublayer's LayerNorm sits,
+      if anywhere (module docstring).
     drop_path: stochastic depth, the largest per-block drop rate in [0, 1); 0 is off.
     hyper_connections: 'none', 'static' or 'dynamic': ``hyper_rate`` residual streams per token
       (Hyper-Connections, ``models/hyper.py``; MAE's encoder and SiT).
@@ -230,7 +235,7 @@ class Residual:
   # ----- the norm placement and DeepNorm ---------------------------------------------------------
   def branch_input(self, norm, x):
     """What a sublayer's branch reads: ``norm(x)`` with pre-norm, ``x`` itself with post-norm
-    (``norm`` is then applied to the sum, in ``add``)."""
+    (``norm`` is then applied to the sum, in ``add``) and without a norm."""
     return norm(x) if self.norm_position == "pre" else x
 
   @property
@@ -265,14 +270,14 @@ class Residual:
     return scaled
 
   def add(self, x, alpha, branch, norm=None, connections=None):
-    """``alpha * x + branch`` (pre-norm), or ``norm(shortcut(alpha) * x + branch)`` (post-norm
-    and DeepNorm: ``norm`` the sublayer's LayerNorm), with the branch (already scaled,
+    """``alpha * x + branch`` (pre-norm, no norm), or ``norm(shortcut(alpha) * x + branch)``
+    (post-norm and DeepNorm: ``norm`` the sublayer's LayerNorm), with the branch (already scaled,
     ``branch``) cast to ``x``'s dtype. With ``connections`` (``read``'s) the hyper-connection
     write ``alpha A_r^T H + beta branch``."""
     if connections is not None:
       return hyper.write(x, alpha, branch, connections)
     out = self.shortcut(alpha) * x + branch.astype(x.dtype)
-    if self.norm_position == "pre":
+    if self.norm_position in ("pre", "none"):
       return out
     if norm is None:
       raise ValueError(f"norm_position={self.norm_position!r} needs the sublayer's norm in add")
@@ -334,7 +339,7 @@ class Residual:
 # the flat keys, in order (``model_depth`` is derived, not one of them)
 NAMES = tuple(f.name for f in dataclasses.fields(Residual) if f.metadata.get("flat", True))
 BRANCH_GAINS = ("none", "layerscale", "rezero")
-NORM_POSITIONS = ("pre", "post", "deepnorm")
+NORM_POSITIONS = ("pre", "post", "deepnorm", "none")
 
 
 def deepnorm_constants(depth: int) -> Tuple[float, float]:
