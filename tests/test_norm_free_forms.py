@@ -2,7 +2,9 @@
 
 SkipInit (De & Smith 2020): ``norm_position='none'``, ``branch_gain='rezero'``:
 ``x <- alpha_s x + a_s f_s(x)``, no norm in the block, one trained scalar ``a_s`` per branch
-starting at 0.
+starting at 0. ReZero as its paper and code have it (Bachlechner et al. 2020,
+``RZTXEncoderLayer``): ``norm_position='none'``, ``branch_gain='rezero_block'``: the same with one
+scalar ``a`` per block, shared by its two branches.
 
 Checked by hand (numpy float64 from the parameters) on depth-2 MAE and SiT stacks with random
 weights and gains; at init the stack is the identity times the alphas (the gains are 0) and yet
@@ -24,12 +26,16 @@ from decay_jax.train import setup
 from test_residual_forms import _attn, _dense, _mlp, _random, _train_steps
 from test_sit_train import tiny_sit_config
 
-FORMS = {"skipinit": dict(norm_position="none", branch_gain="rezero")}
+FORMS = {"skipinit": dict(norm_position="none", branch_gain="rezero"),
+         "rezero": dict(norm_position="none", branch_gain="rezero_block")}
 SIT = dict(depth=2, input_size=8, in_channels=4, num_classes=10, learn_sigma=False)
 
 
 def _gains(blk, form):
-  """The two branch gains of one block's parameters ``blk``."""
+  """The two branch gains of one block's parameters ``blk`` (ReZero: its one gain twice)."""
+  if form == "rezero":
+    assert not {"gain_attn", "gain_mlp"} & set(blk)
+    return blk["gain"], blk["gain"]
   return blk["gain_attn"], blk["gain_mlp"]
 
 

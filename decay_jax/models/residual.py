@@ -19,7 +19,11 @@ A trained gain on each branch (``branch_gain``) replaces ``f`` by ``g * f``:
     19-23 take 1e-5 here);
   * ``'rezero'`` (ReZero, Bachlechner et al. 2020; SkipInit, De & Smith 2020): ``g = a``, one
     trainable scalar per sublayer, initialised to ``gain_init`` (default 0). The blocks keep their
-    pre-norm (ReZero's paper also removes it).
+    pre-norm unless ``norm_position='none'`` (SkipInit's arrangement: a gain per branch);
+  * ``'rezero_block'`` (ReZero as its paper and code have it: ``RZTXEncoderLayer.resweight``):
+    ``g = a``, one trainable scalar per block shared by its two sublayers (parameter ``gain``),
+    initialised to ``gain_init`` (default 0); with ``norm_position='none'`` the block is ReZero's,
+    ``x <- x + a Attn(x); x <- x + a MLP(x)``.
 
 Gains are parameters ``gain_attn`` and ``gain_mlp`` of each block (``branch``). They combine with
 any ``alpha`` schedule (``alpha_min = 1`` gives the published forms).
@@ -87,8 +91,8 @@ class Residual:
     shortcut_form: one of ``schedules.FORMS``: 'decay' (the method), 'learnable' (``alpha`` a
       trained parameter), 'sqrt_half_both' / 'sqrt_half_f' (no schedule), 'attn_only' /
       'mlp_only' (the schedule on one sublayer's identity).
-    branch_gain: 'none', 'layerscale' or 'rezero': a trained gain on every branch (module
-      docstring).
+    branch_gain: 'none', 'layerscale', 'rezero' or 'rezero_block': a trained gain on every
+      branch, or one per block (module docstring).
     gain_init: the gains' initial value; -1 (default) is the form's own (CaiT's rule, or 0).
     norm_position: 'pre', 'post', 'deepnorm' or 'none': where each sublayer's LayerNorm sits,
       if anywhere (module docstring).
@@ -201,7 +205,7 @@ class Residual:
     (``model_depth``) for its constants. Unchanged where nothing depends on the depth."""
     spec = self
     if self.branch_gain != "none" and self.gain_init == -1.0:
-      init = 0.0 if self.branch_gain == "rezero" else cait_init(depth)
+      init = 0.0 if self.branch_gain in ZERO_GAINS else cait_init(depth)
       spec = dataclasses.replace(spec, gain_init=init)
     if self.norm_position == "deepnorm":
       spec = dataclasses.replace(spec, model_depth=int(depth))
@@ -209,8 +213,9 @@ class Residual:
 
   def branch(self, module, name: str, f):
     """``g * branch_scale * f(x)`` for a branch ``f (N, T, C)`` of ``module``: ``g`` its trainable
-    gain ``gain_<name>`` (``(C,)`` LayerScale, ``()`` ReZero; created here, the only place), or 1
-    without ``branch_gain``. In the branch's dtype."""
+    gain ``gain_<name>`` (``(C,)`` LayerScale, ``()`` ReZero; created here, the only place), the
+    block's one ``gain`` (``'rezero_block'``: made by the first sublayer, read by the second),
+    or 1 without ``branch_gain``. In the branch's dtype."""
     out = self.scale_branch(f)
     if self.branch_gain == "none":
       return out
@@ -219,7 +224,11 @@ class Residual:
                        "the blocks")
     shape = (f.shape[-1],) if self.branch_gain == "layerscale" else ()
     init = float(self.gain_init)
-    gain = module.param(f"gain_{name}", lambda _: jnp.full(shape, init, jnp.float32))
+    name = "gain" if self.branch_gain == "rezero_block" else f"gain_{name}"
+    if module.has_variable("params", name):  # the block's second sublayer shares the first's
+      gain = module.get_variable("params", name)
+    else:
+      gain = module.param(name, lambda _: jnp.full(shape, init, jnp.float32))
     return out * gain.astype(out.dtype)
 
   @property
@@ -230,7 +239,7 @@ class Residual:
     (``d/dg`` is ``f``, ``d/df`` is ``g``), so the blocks start the branch at their usual random
     init instead, as ReZero does. Not with DeepNorm either: its init is the branch's random init
     scaled by ``beta`` (``scaled_init``), which a zero layer would void."""
-    return self.branch_gain != "rezero" and self.norm_position != "deepnorm"
+    return self.branch_gain not in ZERO_GAINS and self.norm_position != "deepnorm"
 
   # ----- the norm placement and DeepNorm ---------------------------------------------------------
   def branch_input(self, norm, x):
@@ -338,7 +347,8 @@ class Residual:
 
 # the flat keys, in order (``model_depth`` is derived, not one of them)
 NAMES = tuple(f.name for f in dataclasses.fields(Residual) if f.metadata.get("flat", True))
-BRANCH_GAINS = ("none", "layerscale", "rezero")
+BRANCH_GAINS = ("none", "layerscale", "rezero", "rezero_block")
+ZERO_GAINS = ("rezero", "rezero_block")  # gains that start at 0
 NORM_POSITIONS = ("pre", "post", "deepnorm", "none")
 
 
