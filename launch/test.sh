@@ -16,4 +16,5 @@ source launch/venv.sh requirements-test.txt
 # The linter first (pyproject.toml [tool.ruff]); a finding fails the run as a test would.
 .venv/bin/ruff check --quiet decay_jax tests research launch
 export JAX_PLATFORMS=cpu
-exec .venv/bin/python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadscope --durations=15 tests "$@"
+exec .venv/bin/python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder \
+    --durations=15 tests "$@"

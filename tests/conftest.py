@@ -40,3 +40,31 @@ def _absl_logger_level():
   level = logger.level
   yield
   logger.setLevel(level)
+
+
+# ----- order and tiers -----------------------------------------------------------------------------
+# launch/test.sh gives each xdist worker whole modules (--dist loadscope) in the order collected
+# (--no-loadscope-reorder): the longest modules first, so that no long module starts last and runs
+# alone while the other worker idles (longest-processing-time-first). The seconds per module come
+# from a full run (tests/module_seconds.py). A module longer than FAST_TIER_SECONDS is marked
+# ``slow``: ``bash launch/test.sh -m "not slow"`` is the fast tier for iteration (docs/testing.md).
+FAST_TIER_SECONDS = 45.0
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "slow: a module over FAST_TIER_SECONDS in a full run "
+                                     "(tests/conftest.py); -m 'not slow' leaves them out")
+
+
+def pytest_collection_modifyitems(config, items):
+  from module_seconds import DEFAULT_SECONDS_PER_TEST, load
+  table = load()
+  count = {}
+  for item in items:
+    count[item.location[0]] = count.get(item.location[0], 0) + 1
+  seconds = {m: table.get(m, DEFAULT_SECONDS_PER_TEST * n) for m, n in count.items()}
+  for item in items:
+    if seconds[item.location[0]] > FAST_TIER_SECONDS:
+      item.add_marker(pytest.mark.slow)
+  # stable: a module's tests keep their order
+  items.sort(key=lambda item: (-seconds[item.location[0]], item.location[0]))
