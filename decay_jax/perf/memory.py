@@ -22,6 +22,13 @@ CAPACITIES_GB = (16, 80, 141)
 HEADROOM = 0.9
 
 
+def peak_bytes(m) -> int:
+  """One device's peak from XLA's memory analysis ``m``: arguments + outputs + temporaries, less
+  the outputs that alias (donated) arguments."""
+  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+          - m.alias_size_in_bytes)
+
+
 def memory_report(compiled) -> dict:
   """XLA's memory analysis of one device's program in GiB ({} where the backend has none)."""
   try:
@@ -32,9 +39,7 @@ def memory_report(compiled) -> dict:
     return {}
   gib = lambda b: round(b / GIB, 3)
   return {"argument_gib": gib(m.argument_size_in_bytes), "output_gib": gib(m.output_size_in_bytes),
-          "temp_gib": gib(m.temp_size_in_bytes),
-          "peak_estimate_gib": gib(m.argument_size_in_bytes + m.output_size_in_bytes
-                                   + m.temp_size_in_bytes - m.alias_size_in_bytes)}
+          "temp_gib": gib(m.temp_size_in_bytes), "peak_estimate_gib": gib(peak_bytes(m))}
 
 
 def shard_bytes(tree) -> int:

@@ -283,8 +283,7 @@ def report_compiled(compiled, s, tgt: Target, top: int = 0) -> Dict[str, Any]:
   """The report of an already compiled step ``compiled`` of setup ``s`` (see ``compile_report``)."""
   chip, chips = tgt.chip, tgt.chips
   mem = compiled.memory_analysis()
-  peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-          - mem.alias_size_in_bytes)
+  peak = memory.peak_bytes(mem)
   ca = xla_cost(compiled)
   cost = hlo_cost.analyse(compiled.as_text())
   seconds = cost.seconds(chip.peak_flops, chip.hbm_bytes_per_second)
@@ -302,7 +301,7 @@ def report_compiled(compiled, s, tgt: Target, top: int = 0) -> Dict[str, Any]:
       "data": int(s.mesh.shape["data"]), "fsdp": int(s.mesh.shape["fsdp"]),
       "global_batch": s.batch_size, "batch_per_chip": s.batch_size // chips,
       "accum_steps": s.config.accum_steps,
-      "params": sum(int(np.prod(a.shape)) for a in _leaves(s.abstract["params"])),
+      "params": sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(s.abstract["params"])),
       "hbm_gib": gib(chip.hbm_bytes), "peak_gib": gib(peak), "fits": fits(peak, chip),
       "argument_gib": gib(mem.argument_size_in_bytes), "output_gib": gib(mem.output_size_in_bytes),
       "alias_gib": gib(mem.alias_size_in_bytes), "temp_gib": gib(mem.temp_size_in_bytes),
@@ -338,10 +337,6 @@ def report_compiled(compiled, s, tgt: Target, top: int = 0) -> Dict[str, Any]:
     row["by_part"] = cost.by("part", chip.peak_flops, chip.hbm_bytes_per_second)[:top]
     row["top_bytes"] = cost.by("name", chip.peak_flops, chip.hbm_bytes_per_second)[:top]
   return row
-
-
-def _leaves(tree):
-  return jax.tree_util.tree_leaves(tree)
 
 
 def summary_lines(row: Dict[str, Any]) -> list:
