@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from decay_jax.diffusion import transport as transport_lib
 from decay_jax.evals import diffusion_probe
-from decay_jax.models import routing
+from decay_jax.models import routing, stack
 from decay_jax.models import sit as sit_lib
 
 
@@ -51,10 +51,10 @@ class ProbedSiT(sit_lib.SiT):
     tokens = self.x_embedder(x).astype(jnp.float32) + self.pos_embed()[None]
     cond = (self.t_embedder(t).astype(jnp.float32)
             + self.embed_labels(y, False).astype(jnp.float32))
-    half = self.depth // 2
-    if self.residual_routing == "none":
-      tokens, enc_outs = self.enc_blocks(tokens, self.alpha[:half], cond)
-      _, dec_outs = self.dec_blocks(tokens, (self.alpha[half:], enc_outs[::-1]), cond)
+    if self.residual_routing == "none":  # with hyper-connections each output the streams' sum
+      tokens, enc_outs = self.enc_blocks(stack.expand(self.residual, tokens),
+                                         self.block_inputs(0), cond)
+      _, dec_outs = self.dec_blocks(tokens, self.block_inputs(1, None, enc_outs[::-1]), cond)
       return jnp.concatenate([enc_outs, dec_outs], axis=0)
     outs = []
 
@@ -65,7 +65,7 @@ class ProbedSiT(sit_lib.SiT):
       return out
 
     with nn.intercept_methods(keep):
-      self.trunk(tokens, self.alpha, cond)
+      self.trunk(tokens, self.stream.alpha, cond)
     return jnp.stack(outs)
 
   def features(self, images):
