@@ -70,18 +70,35 @@ class Terminated(BaseException):
   status = PREEMPTED
 
 
+_SIGTERM_SEEN = [False]
+
+
 def raise_on_sigterm() -> None:
   """Makes SIGTERM raise ``Terminated`` in the main thread (the trainer's loop replaces this with
-  its save-at-the-next-step handler while it runs, and puts it back after)."""
+  its save-at-the-next-step handler while it runs, and puts it back after).
+
+  Python drops an exception raised where it cannot propagate (a garbage-collection callback, a
+  ``__del__``): the handler lands there when the signal arrives while one runs, and the run
+  would go on. So the handler also records the signal, and ``stop_if_terminated`` (called by the
+  trainer before its loop) raises it again from a place where it propagates."""
+  _SIGTERM_SEEN[0] = False
 
   def handle(signum, frame):
     del signum, frame
+    _SIGTERM_SEEN[0] = True
     raise Terminated("SIGTERM")
 
   try:
     signal.signal(signal.SIGTERM, handle)
   except ValueError:  # not the main thread: leave SIGTERM as it is
     pass
+
+
+def stop_if_terminated() -> None:
+  """Raises ``Terminated`` if ``raise_on_sigterm``'s handler saw SIGTERM and its exception was
+  dropped (see there)."""
+  if _SIGTERM_SEEN[0]:
+    raise Terminated("SIGTERM")
 
 
 # ------------------------------------------------------------------------------------------------

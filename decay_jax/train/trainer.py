@@ -51,6 +51,7 @@ class _Preemption:
   """
 
   def __init__(self):
+    failures.stop_if_terminated()  # a SIGTERM of the startup whose exception Python dropped
     self.flag = False
     self._previous = None
     if jax.process_count() == 1:
