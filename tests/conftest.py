@@ -48,7 +48,7 @@ def _absl_logger_level():
 # alone while the other worker idles (longest-processing-time-first). The seconds per module come
 # from a full run (tests/module_seconds.py). A module longer than FAST_TIER_SECONDS is marked
 # ``slow``: ``bash launch/test.sh -m "not slow"`` is the fast tier for iteration (docs/testing.md).
-FAST_TIER_SECONDS = 45.0
+FAST_TIER_SECONDS = 35.0
 
 
 def pytest_configure(config):
