@@ -1,9 +1,16 @@
-"""Test set-up: 8 fake CPU devices for sharding tests, float32 matmuls at full precision."""
+"""Test set-up: 8 fake CPU devices for sharding tests (XLA flags: tests/xla_env.py), float32
+matmuls at full precision."""
 
 import os
 import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+_REPO = os.path.dirname(_TESTS)
+sys.path.insert(0, _REPO)
+sys.path.insert(0, _TESTS)
+from xla_env import xla_flags  # noqa: E402
+
+os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # see decay_jax/cli/__init__.py
 # gs:// through fsspec (gcsfs), which tests/test_object_store.py points at its local emulator, never
@@ -14,15 +21,11 @@ os.environ.setdefault("EPATH_USE_TF", "false")
 # program again. One compilation cache for the session's processes (xdist workers and the
 # subprocesses they start inherit these variables) compiles it once. Size-bounded, which also makes
 # JAX lock the folder (filelock) while two workers read and write it.
-_TESTS = os.path.dirname(os.path.abspath(__file__))
-_REPO = os.path.dirname(_TESTS)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(_REPO, ".pytest_cache", "jax_compilation"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
-sys.path.insert(0, _REPO)
-sys.path.insert(0, _TESTS)
 
 import jax  # noqa: E402
 

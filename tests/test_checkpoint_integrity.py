@@ -33,6 +33,7 @@ from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import digest, failures, setup
 from decay_jax.validate import InputError
 from testing_configs import load_config, override, run_to_end
+from xla_env import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6
@@ -56,7 +57,7 @@ def command_env(cache_dir, **extra):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2",
              JAX_COMPILATION_CACHE_DIR=str(cache_dir),
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-  env.pop("XLA_FLAGS", None)  # one device, as a user's CPU run
+  env["XLA_FLAGS"] = xla_flags()  # one device, as a user's CPU run
   env.update(extra)
   return env
 

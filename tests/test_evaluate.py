@@ -15,6 +15,7 @@ from decay_jax.evals import registry, suite
 from decay_jax.train import trainer
 from decay_jax.train import checkpoint as ckpt_lib
 from testing_configs import shrink_lines
+from xla_env import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,7 +92,7 @@ def test_report_on_run_and_converted_checkpoint(trained):
   ft_path = root / "tiny_finetune.py"
   ft_path.write_text(FINETUNE_CONFIG.format(
       demo=os.path.join(REPO, "configs", "finetune_cpu_mnist.py")))
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(2), JAX_PLATFORMS="cpu")
   proc = subprocess.run(
       [sys.executable, "-m", "decay_jax.cli.evaluate", f"--workdir={workdir}",
        f"--checkpoint={converted}", "--names=run,converted", f"--config={cfg_path}", f"--out={out}",

@@ -26,6 +26,7 @@ from decay_jax.models import inception as inception_lib
 from decay_jax.train import checkpoint, trainer, writers
 from test_sit_train import tiny_sit_config
 from testing_configs import REPO, load_config, override
+from xla_env import xla_flags
 
 METRICS = generation_eval.METRICS
 NUM, CHUNK, FEATURE_BATCH = 12, 4, 8
@@ -121,7 +122,7 @@ def test_numbers_equal_the_sample_and_fid_commands(run, monkeypatch, capsys):
   # The standalone path: `cli.sample --sampler=eval` on the final checkpoint (its EMA weights, on
   # 4 devices where training used 1), then `cli.fid` on its samples.npz.
   out = run["root"] / "samples"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(4))
   p = subprocess.run([sys.executable, "-m", "decay_jax.cli.sample", f"--workdir={run['workdir']}",
                       f"--num={NUM}", "--sampler=eval", f"--out={out}", "--grid=0"], cwd=REPO,
                      env=env, capture_output=True, text=True, timeout=300)

@@ -19,6 +19,7 @@ import sys
 import time
 
 import numpy as np
+from xla_env import xla_flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -102,7 +103,7 @@ def run_two_processes(root: str) -> float:
   """Starts both workers in their own process groups; kills both on failure or timeout."""
   port = free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES}")
+             XLA_FLAGS=xla_flags(LOCAL_DEVICES))
   logs = [open(os.path.join(root, f"worker{i}.log"), "w") for i in range(2)]
   t0 = time.monotonic()
   procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", str(i),

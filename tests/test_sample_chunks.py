@@ -16,6 +16,7 @@ import pytest
 from decay_jax.evals import generation, sampling
 from decay_jax.train import trainer
 from test_sit_train import tiny_sit_config
+from xla_env import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ("--num=12", "--batch_size=4", "--mode=sde", "--method=euler", "--steps=3", "--grid=8")
@@ -28,7 +29,7 @@ def command(workdir, out, *extra):
 
 def env(devices, **extra):
   return dict(os.environ, JAX_PLATFORMS="cpu", **extra,
-              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+              XLA_FLAGS=xla_flags(devices))
 
 
 def run_sample(workdir, out, *extra, devices=1):

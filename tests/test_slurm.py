@@ -20,6 +20,7 @@ import tempfile
 import time
 
 import pytest
+from xla_env import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BINARIES = ("munged", "slurmctld", "slurmd", "sinfo", "sbatch", "scontrol", "scancel")
@@ -185,8 +186,7 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
                 JAX_PLATFORMS="cpu",
                 # One CPU device per task (not conftest's 8); XLA's LLVM optimisations off,
                 # which halves the compile of both tasks on 2 shared cores (same loss).
-                XLA_FLAGS="--xla_force_host_platform_device_count=1 "
-                          "--xla_backend_optimization_level=0",
+                XLA_FLAGS=xla_flags(1),
                 JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",  # as tests/test_multiprocess.py
                 SLURM_LABELIO="1")  # srun --label: each output line starts with its task id
 

@@ -18,6 +18,7 @@ from decay_jax.train import config as config_lib
 from decay_jax.train import optim, trainer
 from decay_jax.train import setup
 from testing_configs import load_config, override
+from xla_env import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -104,7 +105,7 @@ def test_optimiser_decays_every_parameter_as_torch_adamw():
 def test_sample_command_on_the_run(run):
   workdir, _ = run
   out = os.path.join(workdir, "samples_cli")
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(2))
   for extra in (["--steps=6"], ["--mode=sde", "--method=euler", "--steps=4"]):
     proc = subprocess.run(
         [sys.executable, "-m", "decay_jax.cli.sample", f"--workdir={workdir}", "--num=6",
@@ -234,7 +235,7 @@ def test_evaluate_command_probes_the_run(run):
   proc = subprocess.run(
       [sys.executable, "-m", "decay_jax.cli.evaluate", f"--workdir={workdir}", "--evals=knn,layers",
        f"--out={out}"], cwd=REPO, capture_output=True, text=True, timeout=600,
-      env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2"))
+      env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(2)))
   assert proc.returncode == 0, proc.stderr[-3000:]
   record = json.load(open(os.path.join(out, "evaluation.json")))["models"][0]
   s = record["sections"]

@@ -17,6 +17,7 @@ from decay_jax.evals import ablation, cka, registry
 from decay_jax.models import mae as mae_lib
 from decay_jax.train import trainer
 from testing_configs import shrink_lines
+from xla_env import xla_flags
 
 REPO = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
 CONFIGS = os.path.join(REPO, "configs")
@@ -175,7 +176,7 @@ def runs(tmp_path_factory):
 
 
 def _evaluate(*args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(2))
   return subprocess.run([sys.executable, "-m", "decay_jax.cli.evaluate", *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=600)
 
