@@ -187,9 +187,9 @@ def test_code_asks_the_task_object_not_its_name():
 
 # The residual spec's protocol: only models/stack.py (and the spec itself) calls these.
 PROTOCOL = {"read", "branch_input", "branch", "add", "shortcut", "scale_branch", "scaled_init",
-            "inject", "update", "coefficients", "hyper_weights", "at_depth", "drop_path_rates",
+            "inject", "coefficients", "hyper_weights", "at_depth", "drop_path_rates",
             "expand", "reduce"}
-SPEC_NAMES = {"res", "residual", "spec", "block_residual"}  # (a dict named res may update)
+SPEC_NAMES = {"res", "residual", "spec", "block_residual"}
 
 
 def _is_spec(node) -> bool:
@@ -216,8 +216,7 @@ def test_only_the_stack_calls_the_residual_protocol():
       continue
     for node in ast.walk(ast.parse(open(path).read(), path)):
       if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-          and node.func.attr in PROTOCOL and _is_spec(node.func.value)
-          and not (node.func.attr == "update" and isinstance(node.func.value, ast.Name))):
+          and node.func.attr in PROTOCOL and _is_spec(node.func.value)):
         bad.append(f"{os.path.relpath(path, REPO)}:{node.lineno}: .{node.func.attr}(")
   assert not bad, "\n".join(bad)
 

@@ -160,14 +160,14 @@ def test_flat_keywords_fold_into_the_spec_with_the_model_defaults():
     m.alpha_min = 0.5  # read-only views
 
 
-def test_update_is_alpha_x_plus_scaled_branch_summed_in_float32():
+def test_add_is_alpha_x_plus_scaled_branch_summed_in_float32():
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((2, 3, 4)), jnp.float32)
   branch = jnp.asarray(rng.standard_normal((2, 3, 4)), jnp.bfloat16)
   for form, scale in (("decay", 1.0), ("sqrt_half_f", math.sqrt(0.5))):
     spec = Residual(alpha_min=0.5, shortcut_form=form)
     assert spec.branch_scale == scale
-    got = spec.update(x, 0.75, branch)
+    got = spec.add(x, 0.75, spec.scale_branch(branch))  # as stack.sublayer adds a branch
     scaled = branch if scale == 1.0 else scale * branch  # in the branch's dtype, then cast
     assert got.dtype == jnp.float32
     np.testing.assert_array_equal(got, 0.75 * x + scaled.astype(jnp.float32))

@@ -339,11 +339,6 @@ class Residual:
       return self.branch_scale * branch
     return branch
 
-  def update(self, x, alpha, branch):
-    """``alpha * x + branch_scale * f(x)`` for ``x, branch (N, T, C)`` and a scalar ``alpha``;
-    the branch is cast to ``x``'s dtype (the float32 residual stream) before the sum."""
-    return alpha * x + self.scale_branch(branch).astype(x.dtype)
-
 
 # the flat keys, in order (``model_depth`` is derived, not one of them)
 NAMES = tuple(f.name for f in dataclasses.fields(Residual) if f.metadata.get("flat", True))

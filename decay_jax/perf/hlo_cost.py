@@ -443,11 +443,24 @@ class Cost:
     return sorted(({key: k, **v} for k, v in groups.items()), key=lambda g: -g["bytes"])
 
 
+def _trace_ops(module: Module):
+  """``trace_table.parse_hlo``'s view of ``module`` (``{name: Op}``, ``{computation: opcodes}``),
+  taken from this parse rather than a second one of the text."""
+  ops = {}
+  for ins in module.instructions.values():
+    op_name = re.search(r'op_name="([^"]*)"', ins.attrs)
+    calls = tuple(name for kind, name in _CALLS.findall(ins.attrs)
+                  if kind in ("calls", "to_apply", "body", "condition"))
+    ops[ins.name] = trace_table.Op(ins.name, ins.opcode, op_name.group(1) if op_name else "",
+                                   calls)
+  return ops, {c: [i.opcode for i in body] for c, body in module.computations.items()}
+
+
 def analyse(text: str) -> Cost:
   """The cost rows of an optimised HLO module's text (see the module docstring)."""
   module = parse(text)
   weight, trips, fused = weights(module)
-  ops, opcodes = trace_table.parse_hlo(text)
+  ops, opcodes = _trace_ops(module)
   rows = []
   for comp, instructions in module.computations.items():
     if comp in fused or not weight.get(comp):
