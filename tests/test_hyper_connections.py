@@ -20,7 +20,7 @@ from decay_jax.models import uvit as uvit_lib
 from decay_jax.models import vit as vit_lib
 from decay_jax.models.residual import Residual
 from decay_jax.train import optim, setup
-from test_residual_forms import _attn, _dense, _ln, _mlp, _random, _train_steps
+from test_residual_forms import _attn, _dense, _ln, _mlp, _random, _sit_trunk, _train_steps
 from test_sit_train import tiny_sit_config
 from test_train import tiny_config
 from test_uvit_train import tiny as tiny_uvit_config
@@ -90,16 +90,7 @@ def test_sit_hyper_connections_by_hand_on_a_depth_2_model(form):
   x = jax.random.normal(jax.random.key(0), (3, 8, 8, 4))
   t, y = jnp.array([0.1, 0.5, 0.9]), jnp.array([1, 2, 3])
   params = _random(model.init(jax.random.key(2), x, t, y)["params"])
-
-  def trunk(m, x, t, y):
-    tokens = m.x_embedder(x) + m.pos_embed()[None]
-    cond = m.t_embedder(t) + m.embed_labels(y, False)
-    streams = m.residual.expand(tokens)
-    h, enc = m.enc_blocks(streams, m.block_inputs(0), cond)
-    out, _ = m.dec_blocks(h, m.block_inputs(1, None, enc[::-1]), cond)
-    return tokens, cond, enc, out
-
-  tokens, cond, enc_out, out = model.apply({"params": params}, x, t, y, method=trunk)
+  tokens, cond, _, enc_out, out = model.apply({"params": params}, x, t, y, method=_sit_trunk)
   c = np.asarray(cond, np.float64)
   c = c / (1 + np.exp(-c))
   H = np.repeat(np.asarray(tokens, np.float64)[:, :, None], 2, axis=2)

@@ -23,7 +23,7 @@ from decay_jax.models import mae as mae_lib
 from decay_jax.models import sit as sit_lib
 from decay_jax.models.residual import Residual
 from decay_jax.train import setup
-from test_residual_forms import _attn, _dense, _mlp, _random, _train_steps
+from test_residual_forms import _attn, _dense, _mlp, _random, _sit_trunk, _train_steps
 from test_sit_train import tiny_sit_config
 
 FORMS = {"skipinit": dict(norm_position="none", branch_gain="rezero"),
@@ -88,13 +88,7 @@ def test_sit_encoder_blocks_by_hand(form):
   x = jax.random.normal(jax.random.key(0), (3, 8, 8, 4))
   t, y = jnp.array([0.1, 0.5, 0.9]), jnp.array([1, 2, 3])
   params = _random(model.init(jax.random.key(2), x, t, y)["params"])
-
-  def trunk(m, x, t, y):
-    tokens = m.x_embedder(x) + m.pos_embed()[None]
-    cond = m.t_embedder(t) + m.embed_labels(y, False)
-    return tokens, cond, m.enc_blocks(tokens, m.block_inputs(0), cond)[0]
-
-  tokens, cond, enc_out = model.apply({"params": params}, x, t, y, method=trunk)
+  tokens, cond, enc_out, _, _ = model.apply({"params": params}, x, t, y, method=_sit_trunk)
   c = np.asarray(cond, np.float64)
   p = params["enc_blocks"]
   mod = np.split(_dense(c / (1 + np.exp(-c)), jax.tree_util.tree_map(

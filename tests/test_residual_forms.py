@@ -238,6 +238,16 @@ def _random(params, scale=0.2, seed=1):
       lambda a: rng.standard_normal(a.shape).astype(np.float32) * scale, params)
 
 
+def _sit_trunk(m, x, t, y):
+  """A SiT's trunk by parts (``method=`` of ``apply``): ``(tokens, cond, encoder stream, encoder
+  skips, decoder stream)``, the streams expanded where the form has hyper-connections."""
+  tokens = m.x_embedder(x) + m.pos_embed()[None]
+  cond = m.t_embedder(t) + m.embed_labels(y, False)
+  h, enc = m.enc_blocks(m.residual.expand(tokens), m.block_inputs(0), cond)
+  out, _ = m.dec_blocks(h, m.block_inputs(1, None, enc[::-1]), cond)
+  return tokens, cond, h, enc, out
+
+
 def _keep(rate, u):
   """timm's drop-path factor per example: floor(1 - rate + u) / (1 - rate)."""
   return np.floor(1 - rate + u) / (1 - rate)
