@@ -12,10 +12,11 @@ import sys
 import pytest
 
 from testing_configs import REPO
+from xla_env import FAST_COMPILE
 
 SCRIPT = os.path.join(REPO, "launch", "cpu_flag_ab.py")
-# Accepted by this XLA and already its default: shows the inherited XLA_FLAGS are kept.
-INHERITED = "--xla_cpu_enable_fast_math=false"
+# Accepted by this XLA (the first already its default): shows the inherited XLA_FLAGS are kept.
+INHERITED = f"--xla_cpu_enable_fast_math=false {FAST_COMPILE}"
 BOGUS = "--xla_cpu_no_such_flag=true"
 
 
