@@ -38,8 +38,6 @@ import numpy as np
 
 from decay_jax.evals import features
 from decay_jax.models import schedules
-from decay_jax.models import sit as sit_lib
-from decay_jax.models import uvit as uvit_lib
 from decay_jax.models.residual import Residual
 
 FLAG = "--ablate"
@@ -107,19 +105,12 @@ def parse(spec) -> List[Tuple[str, List[Tuple[str, object]]]]:
 
 
 def _block_slot(model, params, b: int):
-  """``(path, index)`` of block ``b``'s parameters: a subtree and its slice (None: unscanned)."""
-  if isinstance(model, sit_lib.SiT):
-    half = model.depth // 2
-    if model.residual_routing != "none":
-      return ("trunk", f"enc_{b:02d}" if b < half else f"dec_{b - half:02d}"), None
-    return (("enc_blocks",), b) if b < half else (("dec_blocks",), b - half)
-  if isinstance(model, uvit_lib.UViT):
-    k = model.half
-    if b == k:
-      return ("mid_block",), None
-    return (("in_blocks",), b) if b < k else (("out_blocks",), b - k - 1)
-  if "blocks" in params:
-    return ("blocks",), b
+  """``(path, index)`` of block ``b``'s parameters (the model's ``block_slot``): a subtree and its
+  slice (None: unscanned)."""
+  if hasattr(model, "block_slot"):
+    path, index = model.block_slot(b)
+    if path[0] in params:
+      return path, index
   raise ValueError(f"{FLAG} no_branch is not allowed on {type(model).__name__}: its blocks' "
                    "parameters are not known here")
 

@@ -375,10 +375,15 @@ class HasResidual:
     super().__init_subclass__(**kwargs)  # Flax makes the class a dataclass with its __init__ here
     cls.__init__ = _accepting_flat_fields(cls.__init__)
 
-
   @property
   def shortcuts(self) -> schedules.Shortcuts:
     return self.residual.shortcuts(self.depth)
+
+  def block_slot(self, b: int):
+    """``(path, index)`` of block ``b``'s parameters in the model's ``params``: a subtree and its
+    slice along the scanned layer axis (None: the subtree is the block's own). Default: the
+    scanned ``blocks`` of the ViTs (MAE encoder, classifier); SiT and U-ViT say theirs."""
+    return ("blocks",), b
 
 
 for _name in NAMES:  # a read-only view of every spec field, new ones included

@@ -102,6 +102,14 @@ class SiT(residual_lib.HasResidual, nn.Module):
   def grid(self) -> int:
     return self.input_size // self.patch_size
 
+  def block_slot(self, b: int):
+    """Block ``b``'s parameters: ``enc_blocks``/``dec_blocks`` at ``b`` (scanned halves), or the
+    routed trunk's own ``enc_BB``/``dec_BB``."""
+    half = self.depth // 2
+    if self.residual_routing != "none":
+      return ("trunk", f"enc_{b:02d}" if b < half else f"dec_{b - half:02d}"), None
+    return (("enc_blocks",), b) if b < half else (("dec_blocks",), b - half)
+
   def setup(self):
     half = self.depth // 2
     self.x_embedder = layers.PatchEmbed(self.dim, self.patch_size, dtype=self.dtype)

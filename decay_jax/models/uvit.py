@@ -214,6 +214,14 @@ class UViT(residual_lib.HasResidual, fields.PatchGrid, nn.Module):
   def conditional(self) -> bool:
     return self.num_classes > 0
 
+  def block_slot(self, b: int):
+    """Block ``b`` (in -> mid -> out order)'s parameters: ``in_blocks``/``out_blocks`` at their
+    index (scanned), or ``mid_block``."""
+    k = self.half
+    if b == k:
+      return ("mid_block",), None
+    return (("in_blocks",), b) if b < k else (("out_blocks",), b - k - 1)
+
   @property
   def extras(self) -> int:
     """Tokens before the patches: ``[label, time]`` (conditional) or ``[time]``."""
