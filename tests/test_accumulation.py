@@ -14,9 +14,9 @@ import optax
 import pytest
 
 from decay_jax.data import pipeline
-from decay_jax.models import factory
 from decay_jax.train import step as step_lib
 from decay_jax.train import setup
+from decay_jax.train import tasks
 from testing_configs import load_config, override
 
 BATCH, ACCUM = 32, 4
@@ -37,7 +37,7 @@ def _setup(name):
   config = override(load_config(config_name), **dict(
       {"data.image_size": 16, "batch_size": BATCH, "model.alpha_min": 0.6}, **overrides))
   info = dict(pipeline.dataset_info(config.data), image_size=16)
-  model = factory.build_model(config, info)
+  model = tasks.build_model(config, info)
   task = setup.make_task(config, model, info)
   images = jax.random.normal(jax.random.key(7), (BATCH, 16, 16, info["channels"]))
   batch = {"image": images, "label": jnp.arange(BATCH, dtype=jnp.int32) % 10}

@@ -28,10 +28,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from decay_jax import sharding as shd
 from decay_jax.io import flax_params
-from decay_jax.models import factory
 from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import digest, failures, setup
 from decay_jax.validate import InputError
+from decay_jax.train import tasks
 from testing_configs import load_config, override, run_to_end
 from xla_env import xla_flags
 
@@ -291,7 +291,7 @@ def test_reading_commands_refuse_a_damaged_checkpoint(straight, tmp_path):
 
 def test_params_directories_record_and_check_digests(straight, tmp_path, caplog):
   params, _ = ckpt_lib.restore_run_params(straight["workdir"], shd.make_mesh(1, 1))
-  model = factory.build_model(tiny_config(), {"image_size": 16, "channels": 1,
+  model = tasks.build_model(tiny_config(), {"image_size": 16, "channels": 1,
                                               "num_train": 10000, "num_classes": 10})
   directory = str(tmp_path / "params")
   ckpt_lib.save_params(directory, jax.device_get(params), model)

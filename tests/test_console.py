@@ -158,8 +158,8 @@ def trained(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("console"))
   built, runs = {}, {}
 
-  def build(config, model, mesh):  # registry.build, recording what each run() returns
-    built.update(registry.build(config, model, mesh))
+  def build(config, model, mesh, task):  # registry.build, recording what each run() returns
+    built.update(registry.build(config, model, mesh, task=task))
     for name, e in built.items():
       def recorded(params, run=e.run, name=name):
         out = run(params)

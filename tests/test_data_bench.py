@@ -19,8 +19,8 @@ import pytest
 from PIL import Image
 
 from decay_jax.data import bench
-from decay_jax.models import factory
 from decay_jax.models import flops
+from decay_jax.train import tasks
 from testing_configs import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,7 +150,7 @@ def test_bench_derives_the_step_time_from_model_flops(folder, tmp_path):
   assert p.returncode == 0, p.stderr[-3000:]
   res = json.loads(open(out).read().splitlines()[-1])
   # The demo model's train FLOPs at 28 x 28 x 3: 3 x the forward of models/flops.py.
-  model = factory.build_model(load_config("mae_cpu_mnist"), {"image_size": 28, "channels": 3})
+  model = tasks.build_model(load_config("mae_cpu_mnist"), {"image_size": 28, "channels": 3})
   assert res["model_gflops_per_image"] * 1e9 == pytest.approx(3 * flops.mae_forward_flops(model))
   expected = res["model_gflops_per_image"] * 1e9 * 1024 / (8 * 100e12 * 0.5)
   assert res["step_time_s"] == pytest.approx(expected, rel=1e-9)

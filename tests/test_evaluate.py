@@ -14,6 +14,7 @@ from decay_jax import sharding as shd
 from decay_jax.evals import registry, suite
 from decay_jax.train import trainer
 from decay_jax.train import checkpoint as ckpt_lib
+from decay_jax.train import tasks
 from testing_configs import shrink_lines
 from xla_env import xla_flags
 
@@ -85,7 +86,7 @@ def test_report_on_run_and_converted_checkpoint(trained):
   mesh = shd.make_mesh(1, 1)
   params, step = ckpt_lib.restore_run_params(workdir, mesh)
   assert step == 4
-  model = suite.run_model(ckpt_lib.run_config(workdir, task="mae"), params)
+  model = suite.run_model(tasks.run_config(workdir, "mae"), params)
   converted = str(root / "converted")
   ckpt_lib.save_params(converted, params, model)  # what `python -m decay_jax.cli.convert` writes
   out = str(root / "report")
@@ -154,4 +155,4 @@ def test_bad_flags_fail_with_one_line(tmp_path):
   assert proc.stderr.strip().splitlines()[-1] == (
       "error: --evals=finetune needs --finetune_config=FILE (e.g. configs/finetune_cpu_mnist.py)")
   with pytest.raises(ValueError, match="has no config.json"):
-    ckpt_lib.run_config(str(tmp_path), task="mae")
+    tasks.run_config(str(tmp_path), "mae")

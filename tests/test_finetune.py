@@ -18,6 +18,8 @@ from decay_jax.models import vit
 from decay_jax.models.residual import Residual
 from decay_jax.train import finetune_optim as fo
 from decay_jax.train import optim
+from decay_jax.train.tasks.mae import MAETask
+from decay_jax.train import tasks
 from ml_collections import ConfigDict
 
 TINY = dict(num_classes=10, img_size=32, patch_size=4, dim=64, depth=4, num_heads=4,
@@ -352,14 +354,14 @@ def test_finetuning_a_pretrained_workdir_trains_and_reports_accuracy(finetuned):
   assert saved["accuracy/top1_best"] == results["accuracy/top1_best"]
   # The classifier took the pre-trained encoder's sizes and decay schedule.
   mesh = shd.make_mesh(1, 1)
-  mae_model, mae_params = pretrained.load(str(root / "pre"), mesh)
+  mae_model, mae_params = pretrained.load(str(root / "pre"), mesh, MAETask)
   assert (mae_model.alpha_min, mae_model.depth, mae_model.in_chans) == (0.6, 4, 1)
   params, _ = ckpt_lib.restore_run_params(str(root / "ft"), mesh)
   assert set(params) == {"patch_embed", "cls_token", "pos_embed", "blocks", "fc_norm", "head"}
   assert params["head"]["kernel"].shape == (32, 10)
   # A params directory works as init_from too (what `decay_jax.cli.convert mae` writes).
   ckpt_lib.save_params(str(root / "params"), mae_params, mae_model)
-  again, again_params = pretrained.load(str(root / "params"), mesh)
+  again, again_params = pretrained.load(str(root / "params"), mesh, MAETask)
   assert again.alpha_min == 0.6
   for a, b in zip(jax.tree_util.tree_leaves(again_params), jax.tree_util.tree_leaves(mae_params)):
     np.testing.assert_array_equal(a, b)
@@ -372,15 +374,15 @@ def test_an_mae_workdir_is_a_repa_encoder(finetuned):
   from decay_jax.train import pretrained
   from decay_jax.train import repa as repa_lib
   root, _, _ = finetuned
-  encoder, params = repa_lib.load_encoder(str(root / "pre"), "half")
-  model, expected = pretrained.load(str(root / "pre"), shd.make_mesh(1, 1))
+  encoder, params = repa_lib.load_encoder(str(root / "pre"), "half", MAETask)
+  model, expected = pretrained.load(str(root / "pre"), shd.make_mesh(1, 1), MAETask)
   pixels = np.random.default_rng(0).integers(0, 256, (2, 16, 16, 1)).astype(np.uint8)
   got = encoder.tokens(params, pixels)
   want = repa_lib.encoder_for(model, "half").tokens(expected, pixels)
   assert got.shape == (2, 16, 32)  # 4x4 patch tokens of the last block, class token dropped
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   with pytest.raises(ValueError, match="encoder_normalize='imagenet' is not allowed"):
-    repa_lib.load_encoder(str(root / "pre"), "imagenet")
+    repa_lib.load_encoder(str(root / "pre"), "imagenet", MAETask)
 
 
 def test_init_from_anything_else_is_one_line(finetuned, tmp_path):
@@ -390,7 +392,7 @@ def test_init_from_anything_else_is_one_line(finetuned, tmp_path):
   root, ft, _ = finetuned
   with pytest.raises(ckpt_lib.CheckpointError, match="init_from=.* is not allowed; it is neither "
                                                      "a pre-training workdir"):
-    pretrained.load(str(tmp_path), None)
+    pretrained.load(str(tmp_path), None, MAETask)
   bad = ft.copy_and_resolve_references()
   bad.mixup.group = 12
   with pytest.raises(ValueError, match="mixup.group=12 is not allowed; it must divide "
@@ -399,11 +401,10 @@ def test_init_from_anything_else_is_one_line(finetuned, tmp_path):
   rgb = ft.copy_and_resolve_references()
   rgb.data.dataset = "cifar10"
   from decay_jax import sharding as shd
-  mae_model, _ = pretrained.load(str(root / "pre"), shd.make_mesh(1, 1))
+  mae_model, _ = pretrained.load(str(root / "pre"), shd.make_mesh(1, 1), MAETask)
   with pytest.raises(ValueError, match="data.dataset='cifar10' is not allowed; it has 3 channels; "
                                        "the pre-trained encoder takes 1"):
-    from decay_jax.models import factory
-    factory.build_model(rgb, {"image_size": 16, "channels": 3, "num_classes": 10}, mae_model)
+    tasks.build_model(rgb, {"image_size": 16, "channels": 3, "num_classes": 10}, mae_model)
 
 
 def test_random_erasing_rate_area_and_noise():

@@ -24,6 +24,8 @@ from decay_jax.evals import generation_eval, registry
 from decay_jax.evals.generation_eval import GenerationEvaluator
 from decay_jax.models import inception as inception_lib
 from decay_jax.train import checkpoint, trainer, writers
+from decay_jax.train.tasks.sit import SiTTask
+from decay_jax.train.tasks.uvit import UViTTask
 from test_sit_train import tiny_sit_config
 from testing_configs import REPO, load_config, override
 from xla_env import xla_flags
@@ -163,7 +165,7 @@ def test_numbers_equal_the_sample_and_fid_commands(run, monkeypatch, capsys):
 def test_bad_config_values_are_one_line_errors(tmp_path, overrides, message):
   c = tiny_config(str(tmp_path), **overrides)
   with pytest.raises(ValueError) as e:
-    registry.check_config(c)
+    registry.check_config(c, SiTTask)
   assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -171,19 +173,20 @@ def test_bad_reference_and_inception_and_uvit_guidance(tmp_path):
   c = tiny_config(str(tmp_path))
   np.savez(tmp_path / "bad.npz", mu=np.zeros(4))
   with pytest.raises(ValueError, match=r"^evals.generation.ref: .*bad.npz: has mu but no sigma"):
-    registry.check_config(override(c, **{"evals.generation.ref": str(tmp_path / "bad.npz")}))
+    registry.check_config(override(c, **{"evals.generation.ref": str(tmp_path / "bad.npz")}),
+                          SiTTask)
   c = tiny_config(str(tmp_path))
   os.remove(os.path.join(c.evals.generation.inception, "model.json"))
   with pytest.raises(ValueError, match="inception=.* is not allowed; it has no model.json"):
-    registry.check_config(c)
+    registry.check_config(c, SiTTask)
   u = load_config("uvit_cpu_mnist")
   ref, inception = inputs(str(tmp_path))
   u.evals.generation.update(enabled=True, ref=ref, inception=inception)
-  registry.check_config(u)  # the defaults pass
+  registry.check_config(u, UViTTask)  # the defaults pass
   u.evals.generation.sample.cfg_scale = 0.4
   with pytest.raises(ValueError, match="cfg_scale=0.4 is not allowed; the model is trained "
                                        "without label dropout"):
-    registry.check_config(u)
+    registry.check_config(u, UViTTask)
 
 
 def test_train_command_stops_before_training_in_one_line(tmp_path):

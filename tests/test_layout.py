@@ -228,3 +228,68 @@ def test_the_protocol_check_sees_a_block_calling_the_spec():
            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
            and n.func.attr in PROTOCOL and _is_spec(n.func.value)]
   assert found == ["add", "expand", "drop_path_rates"]
+
+
+# ----- the task is the only registration -------------------------------------------------------
+TASKS_DIR = os.path.join(PACKAGE, "train", "tasks")
+# Checkpoint formats of upstream code ('mae', 'sit', 'repa', 'mae-upstream'), not task names.
+CONVERTERS = ("decay_jax/io/", "decay_jax/cli/convert")
+
+
+def _task_names():
+  """The ``name = '...'`` of the task classes in ``train/tasks/`` (read from the source)."""
+  names = set()
+  for f in os.listdir(TASKS_DIR):
+    if f.endswith(".py"):
+      for node in ast.walk(ast.parse(open(os.path.join(TASKS_DIR, f)).read())):
+        if isinstance(node, ast.ClassDef):
+          for stmt in node.body:
+            if (isinstance(stmt, ast.Assign) and [getattr(t, "id", "") for t in stmt.targets]
+                == ["name"] and isinstance(stmt.value, ast.Constant) and stmt.value.value):
+              names.add(stmt.value.value)
+  return names
+
+
+def _task_tables(tree, names):
+  """``[(lineno, what)]``: dicts keyed by two or more task names, tuples/lists/sets of two or more,
+  and comparisons of something named ``task`` with a task name."""
+  def strings(node):
+    return {e.value for e in getattr(node, "elts", ())
+            if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+  out = []
+  for n in ast.walk(tree):
+    if isinstance(n, ast.Dict):
+      keys = {k.value for k in n.keys if isinstance(k, ast.Constant)}
+      if len(names & keys) >= 2:
+        out.append((n.lineno, "a table keyed by task names"))
+    elif isinstance(n, (ast.Tuple, ast.List, ast.Set)) and len(names & strings(n)) >= 2:
+      out.append((n.lineno, "a list of task names"))
+    elif isinstance(n, ast.Compare):
+      parts = [n.left] + n.comparators
+      consts = {c.value for c in parts if isinstance(c, ast.Constant)}.union(*map(strings, parts))
+      if names & consts and "task" in ast.unparse(n):
+        out.append((n.lineno, f"a comparison with a task name: {ast.unparse(n)}"))
+  return out
+
+
+def test_no_task_name_tables_or_comparisons_outside_the_tasks():
+  """A task is registered once, by its class in ``train/tasks/``; everything else asks the task
+  object (its builder, defaults, evaluators, samplers), so a new task is one file."""
+  names = _task_names()
+  assert names == {"mae", "sit", "finetune", "uvit"}
+  bad = []
+  for path in MODULES.values():
+    rel = os.path.relpath(path, REPO)
+    if rel.startswith(os.path.relpath(TASKS_DIR, REPO)) or rel.startswith(CONVERTERS):
+      continue
+    bad += [f"{rel}:{line}: {what}" for line, what in
+            _task_tables(ast.parse(open(path).read(), path), names)]
+  assert not bad, "\n".join(bad)
+
+
+def test_the_task_table_check_sees_the_old_tables():
+  """Not vacuous: the tables and comparisons the registration replaced are found."""
+  src = ('BUILDERS = {"mae": _mae, "sit": _sit}\nflags.DEFINE_enum("task", "mae", ["mae", "sit"])\n'
+         'if task_name == "uvit":\n  pass\nok = protocol == "mae"\n')
+  found = _task_tables(ast.parse(src), _task_names())
+  assert sorted(line for line, _ in found) == [1, 2, 3]

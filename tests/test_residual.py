@@ -20,6 +20,7 @@ from decay_jax.models import vit as vit_lib
 from decay_jax.models.residual import Residual
 from decay_jax.train import checkpoint
 from decay_jax.train import config as config_lib
+from decay_jax.train import tasks
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "model_json_v1"
 
@@ -226,19 +227,19 @@ def test_every_config_holds_every_residual_field_flat():
 
 
 def test_build_model_builds_one_spec_and_finetuning_takes_the_pretrained_spec():
-  assert set(factory.BUILDERS) == {"mae", "sit", "finetune", "uvit"}
+  assert set(tasks.TASKS) == {"mae", "sit", "finetune", "uvit"}
   config = config_lib.mae_config()
   config.model.preset = "micro/4"
   config.model.shortcut_form = "attn_only"
   info = dict(image_size=16, channels=1, num_classes=10)
-  pretrained = factory.build_model(config, info)
+  pretrained = tasks.build_model(config, info)
   assert pretrained.residual == Residual(alpha_min=0.7, shortcut_form="attn_only")
   ft = config_lib.finetune_config()
   ft.model.preset = "micro/4"
-  classifier = factory.build_model(ft, info, pretrained=pretrained)
+  classifier = tasks.build_model(ft, info, pretrained=pretrained)
   # the pre-trained spec, not the config's fields; only the drop path is fine-tuning's own
   assert classifier.residual == dataclasses.replace(pretrained.residual, drop_path=0.1)
   bad = config_lib.sit_config()
   bad.model.schedule_shape = "step"
   with pytest.raises(ValueError, match="^model.schedule_shape='step' is not allowed"):
-    factory.build_model(bad, dict(image_size=8, channels=4, num_classes=10))
+    tasks.build_model(bad, dict(image_size=8, channels=4, num_classes=10))

@@ -9,13 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decay_jax.models import factory, flops, routing, stack
+from decay_jax.models import flops, routing, stack
 from decay_jax.models import sit as sit_lib
 from decay_jax.models.blocks import SiTBlock
 from decay_jax.models.residual import Residual
 from decay_jax.train import optim, setup
 from decay_jax.train import config as config_lib
 from decay_jax.train import step as step_lib
+from decay_jax.train import tasks
 from test_sit_train import tiny_sit_config
 from testing_configs import REPO, load_config, override
 
@@ -240,7 +241,7 @@ def test_every_ablation_row_loads_validates_and_builds(row):
   for name in ("sit_s2_routing", "sit_cpu_mnist_routing"):
     c = load_config(name, row)
     config_lib.validate(c)
-    model = factory.build_model(c, dict(info, image_size=c.data.image_size))
+    model = tasks.build_model(c, dict(info, image_size=c.data.image_size))
     for k, v in c.model.items():
       if k != "preset":
         assert getattr(model, k) == (v or None if k == "attention_impl" else v), k

@@ -15,6 +15,8 @@ from decay_jax.models import factory, mae as mae_lib, routing, routing_start
 from decay_jax.models import sit as sit_lib
 from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import pretrained, trainer
+from decay_jax.train.tasks.sit import SiTTask
+from decay_jax.train import tasks
 from test_sit_train import tiny_sit_config
 from testing_configs import load_config
 
@@ -175,7 +177,7 @@ def test_one_line_errors(sources, tmp_path):
   ckpt_lib.save_params(str(tmp_path / "mae"),
                        mae.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))["params"], mae)
   with pytest.raises(ValueError, match="holds a MaskedAutoencoder, a sit model is needed here"):
-    pretrained.load(str(tmp_path / "mae"), None, "sit")
+    pretrained.load(str(tmp_path / "mae"), None, SiTTask)
 
 
 def test_the_gate_is_a_model_field_of_configs_and_model_json(sources, tmp_path):
@@ -183,7 +185,7 @@ def test_the_gate_is_a_model_field_of_configs_and_model_json(sources, tmp_path):
   routed = dataclasses.replace(plain, residual_routing="mirror", routing_gate=True)
   ckpt_lib.save_params(str(tmp_path / "routed"), routing_start.routed_from_plain(p, plain, routed),
                        routed)
-  model, params = pretrained.load(str(tmp_path / "routed"), None, "sit")
+  model, params = pretrained.load(str(tmp_path / "routed"), None, SiTTask)
   assert model == routed and "route_mlp_gate" in params["trunk"]["dec_01"]
   fields = factory.model_fields(routed)
   del fields["routing_gate"]  # a model.json written before the field
@@ -191,7 +193,7 @@ def test_the_gate_is_a_model_field_of_configs_and_model_json(sources, tmp_path):
   for name, start, channels in (("sit_cpu_mnist_routing_finetune", "mirror", 1),
                                 ("sit_repa_xl2_routing_finetune", "mirror_paper", 4)):
     c = load_config(name, start)
-    model = factory.build_model(c, {"image_size": c.data.image_size, "channels": channels})
+    model = tasks.build_model(c, {"image_size": c.data.image_size, "channels": channels})
     assert model.routing_gate is (start == "mirror") and model.residual_routing == "mirror"
     assert model.alpha_min == 1.0 and c.init_from
 
@@ -211,8 +213,8 @@ def test_a_routed_run_starts_from_a_plain_run_with_its_loss(tmp_path):
   routed = trainer.train_and_evaluate(routed_cfg, str(tmp_path / "routed"))
   np.testing.assert_allclose(routed["loss"], cont["loss"], rtol=1e-5)
   mesh = shd.make_mesh(1, 1)
-  source, source_params = pretrained.load(plain_dir, mesh, "sit")
-  model = factory.build_model(routed_cfg, {"image_size": 16, "channels": 1})
+  source, source_params = pretrained.load(plain_dir, mesh, SiTTask)
+  model = tasks.build_model(routed_cfg, {"image_size": 16, "channels": 1})
   started = flat(routing_start.routed_from_plain(source_params, source, model))
   ema, _ = ckpt_lib.restore_run_params(str(tmp_path / "routed"), mesh, weights="ema")
   params, _ = ckpt_lib.restore_run_params(str(tmp_path / "routed"), mesh)

@@ -17,6 +17,8 @@ from PIL import Image
 from decay_jax.data import segmentation as seg_data
 from decay_jax.evals import registry, segmentation, spectral
 from decay_jax.train import trainer
+from decay_jax.train.tasks.mae import MAETask
+from decay_jax.train import tasks
 from tests import testing_configs
 
 REPO = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
@@ -157,12 +159,11 @@ def test_key_features_are_the_blocks_attention_keys(run):
   """``--seg_feature=keys``: block b's keys are its qkv Dense's middle third on norm1 of block
   b-1's output (heads concatenated, cls left out), as the reference reads them from ``attn.qkv``."""
   from decay_jax import sharding as shd
-  from decay_jax.train import checkpoint as ckpt_lib
   from decay_jax.train import pretrained
   _, workdir = run
   mesh = shd.make_mesh(1, 1)
-  model, params = pretrained.load(workdir, mesh)
-  data_cfg = ckpt_lib.run_config(workdir).data
+  model, params = pretrained.load(workdir, mesh, MAETask)
+  data_cfg = tasks.run_config(workdir).data
   images = seg_data.synthetic(4, 28, 1, 4, 4, 0)["image"]
   keys = segmentation.patch_features(model, params, images, mesh, data_cfg, 1, 4, "keys")
   tokens = segmentation.patch_features(model, params, images, mesh, data_cfg, 0, 4, "tokens")
@@ -197,12 +198,11 @@ def test_crop_features_are_the_cls_of_resized_crops(run):
   the whole pipeline then runs with them."""
   from decay_jax import sharding as shd
   from decay_jax.data import augment, on_device
-  from decay_jax.train import checkpoint as ckpt_lib
   from decay_jax.train import pretrained
   _, workdir = run
   mesh = shd.make_mesh(1, 1)
-  model, params = pretrained.load(workdir, mesh)
-  data_cfg = ckpt_lib.run_config(workdir).data
+  model, params = pretrained.load(workdir, mesh, MAETask)
+  data_cfg = tasks.run_config(workdir).data
   images = seg_data.synthetic(6, 28, 1, 4, 4, 0)["image"]
   got = segmentation.crop_features(model, params, images, [(2, (1, 2, 4, 6))], mesh, data_cfg,
                                    -1, 4)

@@ -17,12 +17,12 @@ import tensorflow_datasets as tfds
 from decay_jax import sharding as shd
 from decay_jax.data import augment, pipeline
 from decay_jax.evals import registry
-from decay_jax.models import factory
 from decay_jax.train import failures, optim, trainer
 from decay_jax.train import setup
 from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import config as config_lib
 from decay_jax.train import step as step_lib
+from decay_jax.train import tasks
 from testing_configs import load_config, override
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -157,7 +157,7 @@ def test_every_config_builds_and_initialises_abstractly(path):
   channels = 1 if "mnist" in path else 4 if c.data.dataset.startswith("latents:") else 3
   info = {"image_size": c.data.image_size, "channels": channels, "num_train": 1_281_167,
           "num_classes": 10 if "mnist" in path else 1000}
-  model = factory.build_model(c, info)
+  model = tasks.build_model(c, info)
   mesh = shd.make_mesh(c.mesh.data, c.mesh.fsdp)
   shd.check_batch(c.batch_size, mesh, c.accum_steps)
   task = setup.make_task(c, model, info)

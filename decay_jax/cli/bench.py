@@ -49,13 +49,12 @@ from decay_jax.cli import errors
 from decay_jax.models import flops
 from decay_jax.models import mae as mae_lib
 from decay_jax.perf import memory, tpu, trace_table
-from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import config as config_lib
-from decay_jax.train import profiling, writers
+from decay_jax.train import profiling, tasks, writers
 from decay_jax.train import step as step_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
-_TASK = flags.DEFINE_enum("task", "mae", ["mae", "sit"], "Without --config: the task's defaults.")
+_TASK = flags.DEFINE_enum("task", "mae", list(tasks.TASKS), "Without --config: the task's defaults.")
 _PRESET = flags.DEFINE_string("preset", None, "Without --config: the model preset (e.g. XL/2).")
 _DTYPE = flags.DEFINE_string("dtype", None, "Override model.dtype (float32, bfloat16).")
 _REMAT = flags.DEFINE_string("remat", None, "Override model.remat_policy (none, full, dots, dots_context).")
@@ -83,10 +82,6 @@ _PROFILE_DIR = flags.DEFINE_string(
     "Where --profile_steps writes its trace.")
 
 
-# Tasks whose pre-training the PyTorch reference of the tests times (``--torch``).
-TORCH_TASKS = ("mae", "sit")
-
-
 def trainer_timing(workdir: str) -> dict:
   """Step times a run logged (``metrics.jsonl``): median and fastest window, first one left out.
 
@@ -97,7 +92,7 @@ def trainer_timing(workdir: str) -> dict:
   if not paths.exists(path):
     raise ValueError(f"from_trainer={workdir!r} is not allowed; it has no {writers.JSONL} (not a "
                      "workdir of decay_jax.cli.train)")
-  batch = ckpt_lib.run_config(workdir).batch_size
+  batch = tasks.run_config(workdir).batch_size
   rows = [r for r in writers.read_rows(workdir) if "examples_per_sec" in r]
   if len(rows) < 2:
     raise ValueError(f"from_trainer={workdir!r} is not allowed; it logged {len(rows)} timing "
@@ -212,9 +207,9 @@ def main(argv):
   try:  # bad value: one line, nothing compiled
     trained = trainer_timing(_FROM_TRAINER.value) if _FROM_TRAINER.value else {}
     if config is None and _FROM_TRAINER.value:
-      config = ckpt_lib.run_config(_FROM_TRAINER.value)
+      config = tasks.run_config(_FROM_TRAINER.value)
     if config is None:
-      config = config_lib.DEFAULTS[_TASK.value]()
+      config = tasks.get(_TASK.value).default_config()
     config_lib.override(config, **config_lib.model_overrides(
         preset=None if _CONFIG.value is not None or trained else _PRESET.value,
         dtype=_DTYPE.value, remat=_REMAT.value))
@@ -225,7 +220,7 @@ def main(argv):
     if window and sum(window) > _STEPS.value * _REPEATS.value:
       raise ValueError(f"profile_steps={config.profile_steps!r} is not allowed; the bench times "
                        f"{_STEPS.value * _REPEATS.value} steps (--steps x --repeats), numbered from 0")
-    if _TORCH.value and config.task not in TORCH_TASKS:
+    if _TORCH.value and not tasks.get(config.task).torch_reference:
       raise ValueError(f"--torch is not allowed with task={config.task!r}; the PyTorch reference "
                        "times MAE and SiT pre-training")
     if _TOPOLOGY.value and not _COMPILE_ONLY.value:

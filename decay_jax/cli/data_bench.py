@@ -57,7 +57,6 @@ from decay_jax import logs
 from decay_jax.cli import errors
 from decay_jax.data import bench
 from decay_jax.data import config as data_config
-from decay_jax.models import factory
 from decay_jax.train import config as config_lib
 from decay_jax.train import tasks
 
@@ -89,7 +88,7 @@ def train_flops_per_image(config, batch_shape) -> float:
   """The config's model train FLOPs per example at the stream's image size and channels (the
   trainer's task object)."""
   info = {"image_size": int(batch_shape[-2]), "channels": int(batch_shape[-1])}
-  model = factory.build_model(config, info)
+  model = tasks.build_model(config, info)
   return float(tasks.from_config(config, model, info).train_flops_per_example())
 
 

@@ -62,7 +62,8 @@ from decay_jax.evals.segmentation import DEFAULTS as SEG
 from decay_jax.evals.segmentation import FEATURES as SEG_FEATURES
 from decay_jax.evals.segmentation import SEGMENT_FEATURES as SEG_SEGMENT_FEATURES
 from decay_jax.train import checkpoint as ckpt_lib
-from decay_jax.train import trainer
+from decay_jax.train import tasks, trainer
+from decay_jax.train.tasks.finetune import FinetuneTask
 
 EVALS = tuple(registry.EVALUATORS) + ("finetune",) + workbench.EVALS
 WEIGHTS = ("params", "ema")
@@ -144,7 +145,7 @@ def _models(mesh):
   for (kind, path), label in zip(given_paths, labels):
     path = str(paths.resolve(path))
     if kind == "workdir":
-      run_cfg = ckpt_lib.run_config(path, task=("mae", "uvit", "sit"))
+      run_cfg = tasks.run_config(path, [n for n, t in tasks.TASKS.items() if t.probed])
       params, step = ckpt_lib.restore_run_params(path, mesh, _STEP.value, _WEIGHTS.value)
       model = workbench.run_model(run_cfg, params, _PROBE_T.value)
       source = {"workdir": path, "step": step, "weights": _WEIGHTS.value}
@@ -198,9 +199,9 @@ def _check_flags() -> Optional[str]:
   finetune = _FINETUNE_CONFIG.value
   if "finetune" in _EVALS.value and finetune is None:
     return "--evals=finetune needs --finetune_config=FILE (e.g. configs/finetune_cpu_mnist.py)"
-  if finetune is not None and finetune.get("task") != "finetune":
+  if finetune is not None and finetune.get("task") != FinetuneTask.name:
     return (f"--finetune_config task={finetune.get('task')!r} is not allowed; it must be "
-            "'finetune'")
+            f"{FinetuneTask.name!r}")
   if _OUT.value is None and len(given_paths) > 1:
     return "--out=DIR is required with several models"
   if _CONFIG.value is not None:  # it must hold the sections of the representation evaluators

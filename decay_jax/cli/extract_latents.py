@@ -50,6 +50,7 @@ from decay_jax.data import latents as latents_lib
 from decay_jax.evals.generation import IMAGE_EXTENSIONS, list_images, Progress
 from decay_jax.train import checkpoint
 from decay_jax.train import repa as repa_lib
+from decay_jax.train.tasks.mae import MAETask
 
 META_KEYS = ("image_size", "scale", "shard_size", "num_images", "seed", "split", "latent_shape",
              "repa_encoder", "repa_shape")
@@ -167,7 +168,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        f"VAE's downsampling factor {f}")
     encoder = None
     if a.repa_encoder:
-      encoder, enc_params = repa_lib.load_encoder(a.repa_encoder, a.repa_normalize)
+      encoder, enc_params = repa_lib.load_encoder(a.repa_encoder, a.repa_normalize,
+                                                     MAETask)
       probe = jax.eval_shape(encoder.tokens, enc_params,
                              jax.ShapeDtypeStruct((1, a.image_size, a.image_size, 3), np.uint8))
     files, labels, classes = list_labelled_images(a.images)

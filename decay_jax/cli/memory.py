@@ -46,7 +46,7 @@ from decay_jax.cli import errors
 from decay_jax.models import layers
 from decay_jax.perf import memory, tpu
 from decay_jax.train import config as config_lib
-from decay_jax.train import setup
+from decay_jax.train import setup, tasks
 
 # ------------------------------------------------------------------------------------------------
 # Command line.
@@ -57,7 +57,7 @@ FLAGS = flags.FLAGS
 def _define_flags() -> None:
   """Command-line flags, defined when the command runs (importing the module defines none)."""
   config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
-  flags.DEFINE_enum("task", "mae", ["mae", "sit"], "Without --config: the task's defaults.")
+  flags.DEFINE_enum("task", "mae", list(tasks.TASKS), "Without --config: the task's defaults.")
   flags.DEFINE_string("preset", None, "Override model.preset (e.g. H/14, XL/2).")
   flags.DEFINE_string("dtype", None, "Override model.dtype (float32, bfloat16).")
   flags.DEFINE_integer("devices", 0, "Fake CPU devices (0: this machine's devices).")
@@ -106,7 +106,7 @@ def main(argv):
     jax.config.update("jax_num_cpu_devices", FLAGS.devices)
   base = FLAGS.config
   if base is None:
-    base = config_lib.DEFAULTS[FLAGS.task]()
+    base = tasks.get(FLAGS.task).default_config()
   try:
     target = tpu.target(FLAGS.topology, FLAGS.num_slices) if FLAGS.topology else None
     fsdps = _int_list("fsdp", FLAGS.fsdp) if FLAGS.fsdp else [base.mesh.fsdp]

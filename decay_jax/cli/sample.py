@@ -52,7 +52,7 @@ from decay_jax import sharding as shd
 from decay_jax.cli import errors
 from decay_jax.data import latents as latents_lib
 from decay_jax.evals import sampling
-from decay_jax.train import checkpoint, digest, setup
+from decay_jax.train import checkpoint, digest, setup, tasks
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (config.json + checkpoints/).")
 _STEP = flags.DEFINE_integer("step", -1, "Checkpoint step (-1: newest).")
@@ -79,7 +79,10 @@ _VAE = flags.DEFINE_string("vae", None, "Latent runs: converted VAE directory to
 _KEEP = flags.DEFINE_bool("keep_chunks", False, "Keep OUT/chunks/ after writing the .npz files.")
 
 
-def sample_config(base, task_name: str = "sit"):
+def sample_config(base, task):
+  """The sampler section ``base`` with the sampler flags given, checked against the samplers of
+  ``task`` (the run's task class)."""
+  task_name = task.name
   c = base.copy_and_resolve_references()
   for flag, key in ((_MODE, "mode"), (_METHOD, "method"), (_STEPS, "num_steps"),
                     (_CFG, "cfg_scale"), (_CFG_CHANNELS, "cfg_channels")):
@@ -91,7 +94,7 @@ def sample_config(base, task_name: str = "sit"):
     if "cfg_interval" not in c:
       raise ValueError(f"--cfg_interval is not allowed for a {task_name} run")
     c.cfg_interval = tuple(float(v) for v in _CFG_INTERVAL.value)
-  sampling.check_sampler(c, task_name)
+  sampling.check_sampler(c, task.sampler_modes)
   return c
 
 
@@ -143,13 +146,15 @@ def main(argv):
       raise ValueError("workdir is required")
     validate.check_int("num", _NUM.value, 1)
     validate.check_int("grid", _GRID.value, 0)
-    config = checkpoint.run_config(_WORKDIR.value, task=("sit", "uvit"))
+    config = tasks.run_config(_WORKDIR.value,
+                              [name for name, t in tasks.TASKS.items() if t.sampler_modes])
     mesh = shd.make_mesh(-1, config.mesh.fsdp)  # every device of every process
     section = eval_section(config) if _SAMPLER.value == "eval" else config.sample
     batch = chunk_size(mesh, section.batch_size)
     # check_batch asks for a multiple of devices x accum_steps, a training notion
     info, model, mesh = setup.check_config(config, mesh=mesh, batch=batch * config.accum_steps)
-    scfg = sample_config(section.sample if _SAMPLER.value == "eval" else section, config.task)
+    scfg = sample_config(section.sample if _SAMPLER.value == "eval" else section,
+                         tasks.get(config.task))
     params, step = checkpoint.restore_run_params(_WORKDIR.value, mesh, _STEP.value,
                                                  _WEIGHTS.value)
     vae, vae_params = load_vae(_VAE.value, config, model) if _VAE.value else (None, None)

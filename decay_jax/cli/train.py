@@ -27,7 +27,7 @@ from decay_jax import logs
 from decay_jax.cli import errors
 from decay_jax.evals import registry
 from decay_jax.train import checkpoint as ckpt_lib
-from decay_jax.train import failures, lease, setup, trainer
+from decay_jax.train import failures, lease, setup, tasks, trainer
 from decay_jax.validate import InputError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file in configs/.",
@@ -49,7 +49,8 @@ def main(argv):
     failures.raise_on_sigterm()  # until the train loop: stop at once (nothing new to save)
   try:
     setup.check_config(_CONFIG.value)
-    registry.check_config(_CONFIG.value)  # the evaluators' inputs (reference batch, Inception)
+    # the evaluators' inputs (reference batch, Inception)
+    registry.check_config(_CONFIG.value, tasks.get(_CONFIG.value.task))
   except ValueError as e:  # bad config: one line, no traceback, nothing compiled
     print(f"error: {e}", file=sys.stderr)
     return 2

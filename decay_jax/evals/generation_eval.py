@@ -68,9 +68,9 @@ def check_reference(ref: str) -> None:
     raise ValueError(f"{SECTION}.ref: {' '.join(str(e).split())}") from None
 
 
-def check_config(config) -> None:
-  """One-line ``ValueError``s for ``config.evals.generation`` of a SiT or U-ViT config (the
-  registry's table says which tasks have it), when it is enabled: its numbers, its sampler, the EMA it asks for, and the reference batch, Inception
+def check_config(config, task) -> None:
+  """One-line ``ValueError``s for ``config.evals.generation`` of a SiT or U-ViT config (``task``:
+  its task class, whose ``evaluators`` name this one), when it is enabled: its numbers, its sampler, the EMA it asks for, and the reference batch, Inception
   and (latent runs) VAE directories, which must exist (nothing is downloaded)."""
   c = config.evals.get("generation") if "evals" in config else None
   if c is None or not c.enabled:
@@ -86,7 +86,7 @@ def check_config(config) -> None:
   if c.weights == "ema" and not config.ema_decay > 0:
     raise validate.not_allowed(f"{SECTION}.weights", c.weights,
                                "the run keeps no EMA (ema_decay 0); use 'params'")
-  sampling.check_sampler(c.sample, config.task, f"{SECTION}.sample.")
+  sampling.check_sampler(c.sample, task.sampler_modes, f"{SECTION}.sample.")
   if "diffusion" in config and c.sample.cfg_scale and not (  # U-ViT: guidance needs dropout
       config.model.conditional and config.diffusion.class_dropout_prob > 0):
     raise validate.not_allowed(f"{SECTION}.sample.cfg_scale", c.sample.cfg_scale,

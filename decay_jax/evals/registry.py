@@ -1,8 +1,9 @@
 """The evaluators by name (``config.evals.<name>``), built for one model.
 
-``build(config, model, mesh)`` returns the enabled evaluators (or exactly ``names``); the trainer
-receives this function (``train.trainer.train_and_evaluate(..., evaluators=registry.build)``) and
-never imports an evaluator class. MAE evaluators:
+``build(config, model, mesh, names, rows)`` returns the enabled evaluators among ``rows`` (the
+run's task's ``evaluators``) or exactly ``names``; the trainer receives this function
+(``train.trainer.train_and_evaluate(..., evaluators=registry.build)``), passes its task's rows and
+never imports an evaluator class. Representation (MAE) evaluators:
 
   ``knn``: weighted KNN of the last block (``evals.knn``).
   ``linear``: linear probes of the last block, official and upstream-MAE protocols.
@@ -24,41 +25,40 @@ from typing import Any, Dict, Optional, Sequence
 from decay_jax import validate
 from decay_jax.evals import evaluators, generation_eval
 
-# config.evals section name -> evaluator class (the order of the report), per task.
+# config.evals section name -> evaluator class (the order of the report). A task names the rows
+# it runs while training (``Task.evaluators``).
 EVALUATORS = {"knn": evaluators.KnnEvaluator, "linear": evaluators.LinearEvaluator,
               "layers": evaluators.LayerwiseEvaluator, "rank": evaluators.RankEvaluator}
-FINETUNE_EVALUATORS = {"accuracy": evaluators.AccuracyEvaluator}
-GENERATION_EVALUATORS = {"generation": generation_eval.GenerationEvaluator}
-TABLES = {"mae": EVALUATORS, "finetune": FINETUNE_EVALUATORS, "sit": GENERATION_EVALUATORS,
-          "uvit": GENERATION_EVALUATORS}
+ROWS = dict(EVALUATORS, accuracy=evaluators.AccuracyEvaluator,
+            generation=generation_eval.GenerationEvaluator)
 # config.evals section name -> its check of the whole config (fields and input paths, one line).
 CHECKS = {"generation": generation_eval.check_config}
 
 
-def check_config(config) -> None:
+def check_config(config, task) -> None:
   """One-line errors for the enabled evaluators' sections that need more than their own fields
-  (input files, the task, the EMA): before training starts, nothing loaded or compiled."""
+  (input files, the task, the EMA): before training starts, nothing loaded or compiled.
+  ``task``: the run's task class (``train.tasks``; its ``evaluators`` and samplers)."""
   for name, check in CHECKS.items():
-    if name in TABLES.get(config.task, {}) and name in config.get("evals", {}):
-      check(config)
+    if name in task.evaluators and name in config.get("evals", {}):
+      check(config, task)
 
 
-def build(config, model, mesh, names: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-  """The task's evaluators of ``config.evals``: the enabled ones, or exactly ``names`` if given.
+def build(config, model, mesh, names: Optional[Sequence[str]] = None, task=None
+          ) -> Dict[str, Any]:
+  """The evaluators of ``config.evals`` among the rows ``task`` runs (the run's task object or
+  class: its ``evaluators``, and ``check_config`` first; None: the representation evaluators):
+  the enabled ones, or exactly ``names`` if given.
 
   Raises:
-    ValueError: a name that is not an evaluator, or one without a ``config.evals`` section.
+    ValueError: a name that is not one of the rows, or one without a ``config.evals`` section.
   """
-  table = TABLES.get(config.task)
-  if table is None:
-    if names:
-      raise validate.not_allowed("task", config.task, "the evaluators need task 'mae', "
-                                 "'finetune', 'sit' or 'uvit'")
-    return {}
+  table = {name: ROWS[name] for name in (task.evaluators if task is not None else EVALUATORS)}
   for name in names or ():
     validate.check_choice("evals", name, tuple(table))
     if name not in config.evals:
       raise validate.not_allowed("evals", name, f"config.evals has no {name!r} section")
   wanted = names or [n for n in table if n in config.evals and config.evals[n].enabled]
-  check_config(config)
+  if task is not None:
+    check_config(config, task)
   return {name: table[name](config.evals[name], model, config.data, mesh) for name in wanted}

@@ -49,7 +49,6 @@ from jax.experimental import multihost_utils
 from decay_jax import paths, plots, validate
 from decay_jax import sharding as shd
 from decay_jax.data import latents as latents_lib
-from decay_jax.diffusion import dpm_solver, samplers
 from decay_jax.evals import generation
 
 CHUNKS = "chunks"
@@ -128,18 +127,11 @@ def to_host(x) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def sampler_modes(task_name: str) -> Dict[str, Tuple[str, ...]]:
-  """``{mode: methods}`` of a diffusion task's samplers (U-ViT: DPM-Solver and Euler; SiT: ODE
-  and SDE)."""
-  if task_name == "uvit":
-    return dpm_solver.SAMPLERS
-  return {"ode": samplers.ODE_METHODS, "sde": samplers.SDE_METHODS}
-
-
-def check_sampler(c, task_name: str, prefix: str = "") -> None:
-  """One-line errors for a sampler section ``c`` (``config.sample``'s fields); ``prefix`` names
-  its place in errors (``evals.generation.sample.``; empty: the sample command's flags)."""
-  modes = sampler_modes(task_name)
+def check_sampler(c, modes: Dict[str, Tuple[str, ...]], prefix: str = "") -> None:
+  """One-line errors for a sampler section ``c`` (``config.sample``'s fields) of a task with the
+  samplers ``modes`` (``{mode: methods}``, the task's ``sampler_modes``: U-ViT's DPM-Solver and
+  Euler, SiT's ODE and SDE); ``prefix`` names its place in errors (``evals.generation.sample.``;
+  empty: the sample command's flags)."""
   validate.check_choice(prefix + "mode", c.mode, tuple(modes))
   validate.check_choice(prefix + "method", c.method.lower(), modes[c.mode])
   if c.num_steps < 2:

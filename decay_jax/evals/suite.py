@@ -26,10 +26,10 @@ def run_model(config, params, probe_t: float = diffusion_probe.PROBE_T):
   channels = int(embed.get("proj", embed)["kernel"].shape[2])  # MAE: patch_embed.proj; U-ViT: patch_embed
   info = {"image_size": config.data.image_size, "channels": channels}
   if "diffusion" not in config:  # a representation model (MAE); U-ViT runs carry a diffusion section
-    return factory.build_model(config, info)
+    return factory.build_model(config, info, factory.mae)
   dropout = config.diffusion.class_dropout_prob > 0
   rows = params["label_emb"]["embedding"].shape[0] if "label_emb" in params else 0
-  model = factory.build_model(config, dict(info, num_classes=rows - dropout))
+  model = factory.build_model(config, dict(info, num_classes=rows - dropout), factory.uvit)
   return diffusion_probe.probed(model, probe_t, rows - 1 if dropout else -1,
                                 config.diffusion.schedule)
 

@@ -43,7 +43,8 @@ def run_model(config, params, probe_t: float = diffusion_probe.PROBE_T):
     return suite.run_model(config, params, probe_t)
   embed = params["x_embedder"]
   channels = int(embed.get("proj", embed)["kernel"].shape[2])
-  model = factory.build_model(config, {"image_size": config.data.image_size, "channels": channels})
+  model = factory.build_model(config, {"image_size": config.data.image_size, "channels": channels},
+                              factory.sit)
   return sit_probe.probed_sit(model, probe_t, config.transport.path_type)
 
 

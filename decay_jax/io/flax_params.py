@@ -18,10 +18,9 @@ from decay_jax import sharding as shd
 from decay_jax.io.inputs import bad_input, error_detail
 from decay_jax.io.official import mae_init_args
 from decay_jax.io.rules import abstract_params
-from decay_jax.models import factory
 from decay_jax.models import mae as mae_lib
 from decay_jax.models import sit as sit_lib
-from decay_jax.train import checkpoint
+from decay_jax.train import checkpoint, tasks
 from decay_jax.validate import InputError
 
 PARAMS_EXPECTED = ("a training workdir (config.json and checkpoints/, from decay_jax.cli.train) or a "
@@ -109,7 +108,7 @@ def read_params(directory: str, step: Optional[int] = None, weights: Optional[st
     raise bad_input("--params", directory, "has neither model.json nor config.json",
                     PARAMS_EXPECTED)
   try:
-    config = checkpoint.run_config(full)
+    config = tasks.run_config(full)
   except checkpoint.CheckpointError as e:
     raise _unreadable(e, "workdir", full, directory) from None
   except (ValueError, TypeError) as e:
@@ -153,8 +152,8 @@ def read_params(directory: str, step: Optional[int] = None, weights: Optional[st
   source = f"training workdir {directory}, step {step}"
   try:
     embed = params["x_embedder" if _is_sit(params) else "patch_embed"]["proj"]["kernel"]
-    model = factory.build_model(config, {"image_size": config.data.image_size,
-                                         "channels": int(embed.shape[2])})
+    model = tasks.build_model(config, {"image_size": config.data.image_size,
+                                       "channels": int(embed.shape[2])})
   except (KeyError, TypeError, IndexError, ValueError) as e:
     raise bad_input("--params", directory, f"its config.json and checkpoint do not make a model "
                     f"({error_detail(e)})", PARAMS_EXPECTED) from None

@@ -1,7 +1,8 @@
 """Models from configs and from their saved fields: the one place that maps names to classes.
 
-``build_model(config, info)`` turns a training config's ``model`` section into a Flax module
-through ``BUILDERS``, the table from task name to builder; ``model_fields`` / ``model_from_fields``
+``build_model(config, info, builder)`` turns a training config's ``model`` section into a Flax
+module through one of the builders below (``mae``, ``sit``, ``uvit``, ``finetune``), which each
+task names as its ``model_builder`` (``train.tasks``); ``model_fields`` / ``model_from_fields``
 round-trip a module through JSON (``model.json`` beside every params directory). The residual
 spec (``residual.Residual``) is written as its flat fields (``alpha_min``, ``schedule_convention``,
 ...), as configs spell them; the decay schedule is rebuilt from them, it is never stored.
@@ -10,7 +11,7 @@ spec (``residual.Residual``) is written as its flat fields (``alpha_min``, ``sch
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict
+from typing import Callable
 
 import jax.numpy as jnp
 
@@ -31,20 +32,22 @@ MODEL_CLASSES = {"MaskedAutoencoder": mae_lib.MaskedAutoencoder, "SiT": sit_lib.
                  "DINOv2": dinov2_lib.DINOv2}
 
 
-def _mae(config, info, preset, residual, m, pretrained):
+def mae(config, info, preset, residual, m, pretrained):
+  """A masked autoencoder of ``preset``."""
   del config, pretrained
   return mae_lib.mae(preset, img_size=info["image_size"], in_chans=info["channels"],
                      residual=residual, **m)
 
 
-def _sit(config, info, preset, residual, m, pretrained):
+def sit(config, info, preset, residual, m, pretrained):
+  """A SiT of ``preset``."""
   del config, pretrained
   return sit_lib.sit(preset, input_size=info["image_size"], in_channels=info["channels"],
                      residual=residual, **m)
 
 
-def _uvit(config, info, preset, residual, m, pretrained):
-  """The data's classes, plus the null label when labels are dropped."""
+def uvit(config, info, preset, residual, m, pretrained):
+  """A U-ViT of ``preset`` with the data's classes, plus the null label when labels are dropped."""
   del pretrained
   classes = info["num_classes"] + (config.diffusion.class_dropout_prob > 0)
   num_classes = classes if m.pop("conditional") else -1
@@ -52,8 +55,8 @@ def _uvit(config, info, preset, residual, m, pretrained):
                        num_classes=num_classes, residual=residual, **m)
 
 
-def _finetune(config, info, preset, residual, m, pretrained):
-  """Over ``pretrained``'s encoder (its sizes and its residual spec object, with the config's
+def finetune(config, info, preset, residual, m, pretrained):
+  """A ViT classifier over ``pretrained``'s encoder (its sizes and its residual spec object, with the config's
   fine-tuning ``drop_path``), else ``preset``'s."""
   del config
   run = dict(drop_path=residual.drop_path, dtype=m["dtype"], attention_impl=m["attention_impl"],
@@ -64,21 +67,17 @@ def _finetune(config, info, preset, residual, m, pretrained):
   return vit_lib.from_mae(pretrained, info["num_classes"], **run)
 
 
-# Task name -> builder(config, info, preset, residual spec, other model fields, pretrained).
-BUILDERS: Dict[str, Callable] = {"mae": _mae, "sit": _sit, "finetune": _finetune, "uvit": _uvit}
-
-
-def build_model(config, info: dict, pretrained=None):
+def build_model(config, info: dict, builder: Callable, pretrained=None):
   """The Flax model of a config; image size and channels come from the data (``info``).
 
   The config's flat residual fields (``model.alpha_min`` ...; the configs hold all of them, see
-  ``train.config``) become one ``Residual``, passed to the builder of ``config.task``
-  (``BUILDERS``). Fine-tuning: the classifier over ``pretrained``
+  ``train.config``) become one ``Residual``, passed to ``builder(config, info, preset, residual,
+  other model fields, pretrained)``: one of this module's ``mae``, ``sit``, ``uvit``, ``finetune``
+  (the task's ``model_builder``). Fine-tuning: the classifier over ``pretrained``
   (an MAE: its sizes and its ``residual``) with the data's classes, or over ``model.preset``'s
   encoder without one. The model checks its own fields; their errors name the field from the
   config root (``model.alpha_min=...``).
   """
-  validate.check_choice("task", config.task, tuple(BUILDERS))
   m = config.model.to_dict()
   preset = m.pop("preset")
   m["attention_impl"] = m["attention_impl"] or None
@@ -91,7 +90,7 @@ def build_model(config, info: dict, pretrained=None):
                                f"takes {chans}")
   try:
     residual, m = Residual.from_fields(m)
-    return BUILDERS[config.task](config, info, preset, residual, m, pretrained)
+    return builder(config, info, preset, residual, m, pretrained)
   except ValueError as e:
     raise validate.prefixed("model.", e) from None
 

@@ -22,7 +22,7 @@ import json
 import logging as std_logging
 import os
 import traceback
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import grain
 import jax
@@ -37,7 +37,6 @@ import ml_collections
 from decay_jax import paths
 from decay_jax import sharding as shd
 from decay_jax.models import factory
-from decay_jax.train import config as config_lib
 from decay_jax.train import digest, failures
 
 class CheckpointError(ValueError):
@@ -480,11 +479,12 @@ def _overlay(base, saved: dict) -> None:
       base[key] = value
 
 
-def run_config(workdir: str, task: Optional[str] = None):
-  """The config a run was trained with (``workdir/config.json``) over today's task defaults.
+def run_config(workdir: str, tasks: Sequence[Any]):
+  """The config a run was trained with (``workdir/config.json``) over today's defaults of its task.
 
-  Fields added to the code after the run take today's defaults. ``task`` (a task name or a tuple
-  of them) rejects runs of other tasks with a one-line error.
+  ``tasks``: the task classes the run may be of (``train.tasks``: ``name``, ``default_config()``);
+  a run of another task is a one-line error naming them. Fields added to the code after the run
+  take today's defaults. (``train.tasks.run_config`` asks by task name.)
   """
   path = paths.resolve(workdir) / "config.json"
   if not path.exists():
@@ -492,13 +492,11 @@ def run_config(workdir: str, task: Optional[str] = None):
                           "of decay_jax.cli.train or decay_jax.cli.compare)")
   with _reading("workdir", workdir, "a run's config.json (JSON written by decay_jax.cli.train)"):
     saved = paths.read_json(path)
-  wanted = (task,) if isinstance(task, str) else task
-  if wanted is not None and saved.get("task") not in wanted:
+  by_name = {t.name: t for t in tasks}
+  if saved.get("task") not in by_name:
     raise ValueError(f"workdir={workdir!r} is not allowed; its task is {saved.get('task')!r}, "
-                     f"this command needs {' or '.join(repr(t) for t in wanted)}")
-  defaults = {"mae": config_lib.mae_config, "finetune": config_lib.finetune_config,
-              "uvit": config_lib.uvit_config}
-  base = defaults.get(saved.get("task"), config_lib.sit_config)()
+                     f"this command needs {' or '.join(repr(t) for t in by_name)}")
+  base = by_name[saved["task"]].default_config()
   _overlay(base, saved)
   return ml_collections.ConfigDict(base.to_dict())
 

@@ -334,6 +334,3 @@ def model_overrides(preset=None, dtype=None, remat=None) -> dict:
   given = {"model.preset": preset, "model.dtype": dtype, "model.remat_policy": remat}
   return {k: v for k, v in given.items() if v}
 
-
-# The default config of each task: where commands that take ``--task`` without ``--config`` start.
-DEFAULTS = {"mae": mae_config, "finetune": finetune_config, "sit": sit_config, "uvit": uvit_config}

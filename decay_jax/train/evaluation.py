@@ -1,8 +1,8 @@
 """When the trainer runs its evaluators, and the fixed batch of images for monitoring pictures.
 
-The trainer receives the evaluators as a function ``(config, model, mesh) -> {name: evaluator}``
-(``decay_jax.evals.registry.build`` for the representation evaluators) and never imports their
-classes. An evaluator needs ``every_steps`` (0 = only at the end of training) and
+The trainer receives the evaluators as a function ``(config, model, mesh, task=task) -> {name:
+evaluator}`` (``decay_jax.evals.registry.build``: the evaluators the task names in its
+``evaluators``) and never imports their classes. An evaluator needs ``every_steps`` (0 = only at the end of training) and
 ``run(params) -> {name: float}``; ``summary(scalars) -> str`` (one short console line) is used when
 it has one. The full dictionaries go to TensorBoard and metrics.jsonl, not to the console.
 
@@ -24,7 +24,7 @@ from decay_jax import logs
 from decay_jax.data import pipeline
 from decay_jax.train import checkpoint
 
-MakeEvaluators = Callable[[Any, Any, Any], Dict[str, Any]]
+MakeEvaluators = Callable[..., Dict[str, Any]]  # (config, model, mesh, task=task)
 
 
 def compact(scalars: Dict[str, float]) -> str:
@@ -67,7 +67,8 @@ def make(config, model, mesh, make_evaluators: Optional[MakeEvaluators], task=No
          ) -> Evaluators:
   """The run's evaluators (none without ``make_evaluators``), bound to ``task`` where they ask
   for it (``bind``), and its picture batch."""
-  evaluators = make_evaluators(config, model, mesh) if make_evaluators is not None else {}
+  evaluators = (make_evaluators(config, model, mesh, task=task) if make_evaluators is not None
+                else {})
   for e in evaluators.values():
     if hasattr(e, "bind"):
       e.bind(task, checkpoint.load_params)

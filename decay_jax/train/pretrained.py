@@ -13,34 +13,28 @@ from __future__ import annotations
 from typing import Any, Tuple
 
 from decay_jax import paths
-from decay_jax.models import factory
-from decay_jax.models import mae as mae_lib
-from decay_jax.models import sit as sit_lib
 from decay_jax.train import checkpoint as ckpt_lib
 
-# Per task that starts from a pre-trained model: the class it starts from and the patch embedding
-# whose kernel gives the input channels.
-SOURCES = {"mae": (mae_lib.MaskedAutoencoder, "patch_embed"), "sit": (sit_lib.SiT, "x_embedder")}
 
-
-def load(init_from: str, mesh, task: str = "mae", what: str = "init_from") -> Tuple[Any, Any]:
-  """``(model, its parameters)`` of ``init_from`` for a run starting from a ``task`` model (the keys
-  of ``SOURCES``); one-line errors, naming the field ``what``, for anything else."""
-  cls, embed = SOURCES[task]
+def load(init_from: str, mesh, source, what: str = "init_from") -> Tuple[Any, Any]:
+  """``(model, its parameters)`` of ``init_from`` for a run starting from a model of the task
+  class ``source`` (``train.tasks``: its ``model_class``, ``embed``, ``default_config`` and
+  ``build_model``); one-line errors, naming the field ``what``, for anything else."""
   root = paths.resolve(init_from)
   if (root / "model.json").exists():
     model, params = ckpt_lib.load_params(init_from, what)
   elif (root / "config.json").exists():
-    run_cfg = ckpt_lib.run_config(init_from, task=task)
+    run_cfg = ckpt_lib.run_config(init_from, [source])
     params, _ = ckpt_lib.restore_run_params(init_from, mesh)
-    channels = int(params[embed]["proj"]["kernel"].shape[2])
-    model = factory.build_model(run_cfg, {"image_size": run_cfg.data.image_size,
-                                          "channels": channels})
+    channels = int(params[source.embed]["proj"]["kernel"].shape[2])
+    model = source.build_model(run_cfg, {"image_size": run_cfg.data.image_size,
+                                         "channels": channels})
   else:
     raise ckpt_lib.CheckpointError(
         f"{what}={init_from!r} is not allowed; it is neither a pre-training workdir "
         "(config.json and checkpoints/) nor a params directory (model.json and params/)")
+  cls = source.model_class
   if not isinstance(model, cls):
     raise ValueError(f"{what}={init_from!r} is not allowed; it holds a {type(model).__name__}, "
-                     f"a {task} model is needed here (a {cls.__name__})")
+                     f"a {source.name} model is needed here (a {cls.__name__})")
   return model, params

@@ -87,11 +87,12 @@ def encoder_for(module, normalize: str = "imagenet") -> Encoder:
                    "interface (a DINOv2 or a MaskedAutoencoder)")
 
 
-def load_encoder(directory: str, normalize: str = "imagenet"):
+def load_encoder(directory: str, normalize: str, mae_task):
   """``(Encoder, params)`` of a params directory (``model.json`` + ``params``: a converted DINOv2
-  or MAE) or of an MAE training workdir of ``decay_jax.cli.train`` (its latest trained weights)."""
+  or MAE) or of an MAE training workdir of ``decay_jax.cli.train`` (its latest trained weights;
+  ``mae_task``: the MAE task class, ``train.tasks.mae.MAETask``, which reads it)."""
   if (paths.resolve(directory) / "config.json").exists():
-    module, params = pretrained.load(directory, shd.make_mesh(), "mae", what="repa.encoder")
+    module, params = pretrained.load(directory, shd.make_mesh(), mae_task, what="repa.encoder")
   else:
     module, params = ckpt_lib.load_params(directory, "repa.encoder")
   return encoder_for(module, normalize), params

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from decay_jax import sharding as shd
 from decay_jax.data import on_device, pipeline
-from decay_jax.models import factory, flops
+from decay_jax.models import flops
 from decay_jax.train import config as config_lib
 from decay_jax.train import step as step_lib
 from decay_jax.train import tasks
@@ -60,7 +60,7 @@ def check_config(config, pretrained_model=None, info: Optional[Dict[str, int]] =
   config_lib.validate(config)
   tasks.get(config.task).check_config(config)
   info = info or pipeline.dataset_info(config.data)
-  model = factory.build_model(config, info, pretrained_model)
+  model = tasks.build_model(config, info, pretrained_model)
   mesh = mesh if mesh is not None else shd.make_mesh(config.mesh.data, config.mesh.fsdp)
   shd.check_batch(batch or config.batch_size, mesh, config.accum_steps)
   return info, model, mesh

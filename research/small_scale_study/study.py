@@ -17,7 +17,7 @@ from decay_jax import paths, plots
 from decay_jax.data import pipeline
 from decay_jax.evals import registry, suite
 from decay_jax.models.schedules import UNSCHEDULED_FORMS
-from decay_jax.train import trainer, writers
+from decay_jax.train import tasks, trainer, writers
 from decay_jax.train import checkpoint as ckpt_lib
 from decay_jax.train import config as config_lib
 
@@ -423,7 +423,7 @@ def unfinished_curves(workdir: str) -> List[Dict[str, Any]]:
     if (paths.exists(_record_path(arm_dir))
         or not paths.exists(paths.join(arm_dir, "config.json"))):
       continue
-    cfg = ckpt_lib.run_config(arm_dir)
+    cfg = tasks.run_config(arm_dir)
     curve = _knn_curve(arm_dir, cfg.batch_size, pipeline.dataset_info(cfg.data)["num_train"])
     out.append(dict(name=name, alpha_min=cfg.model.alpha_min, shortcut_form=cfg.model.shortcut_form,
                     lr=cfg.optim.lr, epochs=cfg.num_epochs, knn_curve=curve, unfinished=True))

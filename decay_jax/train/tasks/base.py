@@ -13,6 +13,14 @@ its name) for:
   * ``picture(params, batch, rng) -> uint8 (H, W, 3)``: an image grid for monitoring;
   * ``train_flops_per_example()``: model FLOPs of one training example (forward + backward);
   * ``make_optimizer(config, total_steps, warmup_steps) -> (tx, schedule)``;
+  * class-level, what registers a task (``train.tasks`` finds nothing else): ``name`` (the
+    config's ``task``), ``default_config()`` (``train.config``'s defaults of the task),
+    ``model_builder`` (the ``models.factory`` builder of its model; ``build_model(config, info)``),
+    ``evaluators`` (the ``evals.registry`` rows it runs while training), ``sampler_modes``
+    (``{mode: methods}`` of a diffusion task's samplers, else empty), ``model_class`` and
+    ``embed`` (the model a run starts from when another run's ``init_from`` names one of this
+    task, and its patch embedding, whose kernel gives the channels), ``torch_reference``
+    (whether ``decay_jax.cli.bench --torch`` has a PyTorch reference of its step);
   * class-level: ``from_config(config, model, info)``, ``check_config(config)`` (one-line errors
     for the task's own config sections), ``load_start(config, mesh)`` and ``start_params`` (the
     pre-trained weights a run starts from), ``frozen_params()`` (a frozen network's weights the
@@ -27,7 +35,7 @@ images into the model's float input with the task's ``mean``/``std`` before ``pr
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +43,7 @@ import numpy as np
 
 from decay_jax import plots
 from decay_jax.data import pipeline
+from decay_jax.models import factory
 from decay_jax.train import optim
 
 
@@ -45,7 +54,15 @@ class Task:
   picture_name = "picture"
   standin_channels = 3  # RGB images
   samples = False  # only SiT has the sample command and the sampler export
+  probed = False  # decay_jax.cli.evaluate probes the representations of the task's runs
   keeps_pixels = False  # the step hands prepare the uint8 pixels too (repa_pixels)
+  default_config: Callable[[], Any]  # train.config's defaults of the task (a staticmethod)
+  model_builder: Callable  # a models.factory builder (a staticmethod)
+  evaluators: Tuple[str, ...] = ()  # evals.registry rows run while training
+  sampler_modes: Dict[str, Tuple[str, ...]] = {}  # diffusion tasks: {mode: methods}
+  model_class: Optional[type] = None  # the model another run may start from (init_from)
+  embed = ""  # ... and its patch embedding (the kernel's input channels)
+  torch_reference = False  # decay_jax.cli.bench --torch times a PyTorch reference of the step
 
   def __init__(self, model, mean=(0.0,), std=(1.0,)):
     self.model = model
@@ -58,6 +75,12 @@ class Task:
     normalisation."""
     mean, std = pipeline.normalization(config.data, info["channels"])
     return cls(model, *cls.sections(config), mean=mean, std=std)
+
+  @classmethod
+  def build_model(cls, config, info: Dict[str, Any], pretrained=None):
+    """The task's Flax model of ``config`` (``models.factory.build_model`` with ``model_builder``);
+    ``info``: the data's ``image_size``, ``channels`` (and ``num_classes``)."""
+    return factory.build_model(config, info, cls.model_builder, pretrained)
 
   @classmethod
   def sections(cls, config) -> Tuple[Any, ...]:

@@ -11,9 +11,11 @@ from absl import logging
 
 from decay_jax import plots, validate
 from decay_jax.data import mixup, on_device
-from decay_jax.models import flops, vit
+from decay_jax.models import factory, flops, vit
+from decay_jax.train import config as config_lib
 from decay_jax.train import finetune_optim, pretrained, writers
 from decay_jax.train.tasks import base
+from decay_jax.train.tasks.mae import MAETask
 
 
 class FinetuneTask(base.Task):
@@ -23,6 +25,9 @@ class FinetuneTask(base.Task):
   name = "finetune"
   picture_needs_batch = True  # the mixed training inputs of fixed evaluation images
   picture_name = "mixed_inputs"
+  default_config = staticmethod(config_lib.finetune_config)
+  model_builder = staticmethod(factory.finetune)
+  evaluators = ("accuracy",)
 
   def __init__(self, model, mixup_cfg, mean=(0.0,), std=(1.0,)):
     super().__init__(model, mean, std)
@@ -46,7 +51,7 @@ class FinetuneTask(base.Task):
   @classmethod
   def load_start(cls, config, mesh):
     """The pre-trained MAE of ``config.init_from`` (``train.pretrained``), if one is set."""
-    return pretrained.load(config.init_from, mesh) if config.init_from else None
+    return pretrained.load(config.init_from, mesh, MAETask) if config.init_from else None
 
   def start_params(self, params, start):
     """The encoder of pre-training over fresh ``params``; ``fc_norm`` and ``head`` stay fresh."""

@@ -11,7 +11,9 @@ import numpy as np
 
 from decay_jax import plots
 from decay_jax.data import on_device
-from decay_jax.models import flops, layers
+from decay_jax.models import factory, flops, layers
+from decay_jax.models import mae as mae_lib
+from decay_jax.train import config as config_lib
 from decay_jax.train.tasks import base
 
 
@@ -20,6 +22,13 @@ class MAETask(base.Task):
   name = "mae"
   picture_needs_batch = True  # reconstructions of fixed evaluation images
   picture_name = "reconstruction"
+  default_config = staticmethod(config_lib.mae_config)
+  probed = True
+  model_builder = staticmethod(factory.mae)
+  evaluators = ("knn", "linear", "layers", "rank")
+  model_class = mae_lib.MaskedAutoencoder  # fine-tuning and REPA's encoder start from one
+  embed = "patch_embed"
+  torch_reference = True
 
   def init_inputs(self, batch: int):
     m = self.model

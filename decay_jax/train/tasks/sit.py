@@ -12,11 +12,13 @@ from absl import logging
 from decay_jax import plots
 from decay_jax.diffusion import samplers
 from decay_jax.diffusion import transport as transport_lib
-from decay_jax.models import flops, routing, routing_start
+from decay_jax.models import factory, flops, routing, routing_start
 from decay_jax.models import sit as sit_lib
+from decay_jax.train import config as config_lib
 from decay_jax.train import pretrained
 from decay_jax.train import repa as repa_lib
 from decay_jax.train.tasks import base
+from decay_jax.train.tasks.mae import MAETask
 
 
 class SiTTask(base.Task):
@@ -33,6 +35,14 @@ class SiTTask(base.Task):
   picture_name = "samples"
   standin_channels = 4  # SiT trains on VAE latents when its dataset is not in memory
   samples = True
+  default_config = staticmethod(config_lib.sit_config)
+  probed = True
+  model_builder = staticmethod(factory.sit)
+  evaluators = ("generation",)
+  sampler_modes = {"ode": samplers.ODE_METHODS, "sde": samplers.SDE_METHODS}
+  model_class = sit_lib.SiT  # a SiT run may start from another (routing added, or continued)
+  embed = "x_embedder"
+  torch_reference = True
 
   def __init__(self, model: sit_lib.SiT, transport_cfg=None, sample_cfg=None, repa_cfg=None,
                mean=(0.0,), std=(1.0,)):
@@ -58,7 +68,7 @@ class SiTTask(base.Task):
     if not self.encoder_dir:
       return None, None
     if self._encoder is None:
-      self._encoder = repa_lib.load_encoder(self.encoder_dir, self.encoder_normalize)
+      self._encoder = repa_lib.load_encoder(self.encoder_dir, self.encoder_normalize, MAETask)
     return self._encoder
 
   @property
@@ -177,7 +187,7 @@ class SiTTask(base.Task):
   def load_start(cls, config, mesh):
     """The pre-trained SiT of ``config.init_from`` (``train.pretrained``: a SiT run's trained
     weights, or a params directory such as a converted REPA checkpoint), if one is set."""
-    return pretrained.load(config.init_from, mesh, "sit") if config.get("init_from") else None
+    return pretrained.load(config.init_from, mesh, cls) if config.get("init_from") else None
 
   def start_params(self, params, start):
     """``load_start``'s parameters in this model (``models.routing_start``): copied for the same

@@ -10,8 +10,9 @@ import numpy as np
 
 from decay_jax import validate
 from decay_jax.diffusion import dpm_solver, vp
+from decay_jax.models import factory, flops
+from decay_jax.train import config as config_lib
 from decay_jax.train.tasks import base
-from decay_jax.models import flops
 
 
 class UViTTask(base.Task):
@@ -30,6 +31,11 @@ class UViTTask(base.Task):
   name = "uvit"
   picture_needs_batch = False
   picture_name = "samples"
+  default_config = staticmethod(config_lib.uvit_config)
+  probed = True
+  model_builder = staticmethod(factory.uvit)
+  evaluators = ("generation",)
+  sampler_modes = dpm_solver.SAMPLERS
 
   def __init__(self, model, diffusion_cfg, sample_cfg=None, mean=(0.0,), std=(1.0,)):
     super().__init__(model, mean, std)
@@ -51,9 +57,9 @@ class UViTTask(base.Task):
       raise validate.not_allowed(
           "diffusion.class_dropout_prob", config.diffusion.class_dropout_prob,
           "an unconditional model (model.conditional=False) has no labels to drop; use 0")
-    validate.check_choice("sample.mode", config.sample.mode, tuple(dpm_solver.SAMPLERS))
+    validate.check_choice("sample.mode", config.sample.mode, tuple(cls.sampler_modes))
     validate.check_choice("sample.method", config.sample.method,
-                          dpm_solver.SAMPLERS[config.sample.mode])
+                          cls.sampler_modes[config.sample.mode])
     if config.sample.mode != "dpm" and config.diffusion.schedule != "vpsde":
       raise validate.not_allowed("sample.mode", config.sample.mode,
                                  "the Euler samplers need diffusion.schedule='vpsde'")
