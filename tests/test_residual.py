@@ -1,5 +1,6 @@
 """The residual spec (models/residual.py): fields, checks, the update, the alpha parameter, and
-params directories written before it (tests/fixtures/model_json_v1) loading unchanged."""
+params directories written before it (tests/fixtures/model_json_v1) and before the residual
+stack, one per residual form (tests/fixtures/residual_forms_1aac245), loading unchanged."""
 
 import dataclasses
 import json
@@ -84,6 +85,40 @@ def test_sit_params_dir_written_before_the_spec_loads_and_computes_the_same(tmp_
   out = model.apply({"params": params}, jnp.asarray(inp["x"], jnp.float32),
                     jnp.asarray(inp["t"], jnp.float32), jnp.asarray(inp["y"], jnp.int32))
   _close(out, expected["outputs"]["out"])
+
+
+FORMS_1AAC245 = FIXTURES.parent / "residual_forms_1aac245"
+FORM_DIRS = sorted(p.name for p in FORMS_1AAC245.iterdir() if (p / "model.json").exists())
+
+
+def test_the_residual_form_fixtures_are_all_there():
+  assert FORM_DIRS == ["mae_deepnorm", "mae_drop_path", "mae_hyper_dynamic", "mae_hyper_static",
+                       "mae_layerscale", "mae_post_norm", "mae_rezero", "sit_deepnorm",
+                       "sit_hyper_dynamic"]
+
+
+@pytest.mark.parametrize("name", FORM_DIRS)
+def test_params_dirs_of_each_residual_form_written_before_the_stack_compute_the_same(tmp_path,
+                                                                                     name):
+  """Written by 1aac245's code (tests/fixtures/residual_forms_1aac245/make.py), before
+  models/stack.py: today's code reads the same spec and gives the same outputs."""
+  shutil.copytree(FORMS_1AAC245 / name, tmp_path / name)
+  model, params = checkpoint.load_params(str(tmp_path / name))
+  stored = json.loads((FORMS_1AAC245 / name / "model.json").read_text())["fields"]
+  expected = json.loads((FORMS_1AAC245 / name / "expected.json").read_text())
+  assert {k: v for k, v in model.residual.fields().items() if k in stored} == {
+      k: stored[k] for k in residual.NAMES if k in stored}
+  assert model.residual != Residual(alpha_min=model.residual.alpha_min)  # a form, not plain decay
+  e = {k: np.asarray(v) for k, v in expected.items()}
+  if name.startswith("mae"):
+    out = model.apply({"params": params}, jnp.asarray(e["imgs"], jnp.float32),
+                      jnp.asarray(e["noise"], jnp.float32))
+    _close(out["loss"], e["loss"])
+    _close(out["pred"], e["pred"])
+  else:
+    out = model.apply({"params": params}, jnp.asarray(e["x"], jnp.float32),
+                      jnp.asarray(e["t"], jnp.float32), jnp.asarray(e["y"], jnp.int32))
+    _close(out, e["out"])
 
 
 def test_uvit_model_json_written_before_the_spec_round_trips():
