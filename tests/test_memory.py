@@ -60,7 +60,12 @@ def test_command_line_rejects_bad_values_in_one_line():
   for args, line in ((["--fsdp=3"], "error: mesh.fsdp=3 is not allowed; it must divide the "
                                     "device count 8"),
                      (["--remat=some"], "error: --remat=some is not allowed; choose from none, "
-                                        "full, dots, dots_context")):
+                                        "full, dots, dots_context"),
+                     # the task checks the batch given, not its config's (fine-tuning's groups)
+                     (["--task=finetune", "--batch=16"], "error: mixup.group=32 is not allowed; "
+                                                         "it must divide batch_size = 16"),
+                     (["--task=vit"], "error: flag --task=vit: value should be one of "
+                                      "<finetune|mae|sit|uvit>")):
     p = subprocess.run([sys.executable, "-m", "decay_jax.cli.memory", "--task=sit",
                         "--preset=micro/4", "--devices=8"] + args, cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=120)
