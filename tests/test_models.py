@@ -52,9 +52,10 @@ def micro_sit():
   return m, params, (x, t, y)
 
 
-def standard_update(residual, x, alpha, branch):
-  """The plain residual update x + f(x), ignoring alpha (in place of ``Residual.update``)."""
-  del residual, alpha
+def standard_add(residual, x, alpha, branch, norm=None, connections=None):
+  """The plain residual update x + f(x), ignoring alpha (in place of ``Residual.add``, which
+  ``models/stack.py`` calls for every sublayer; pre-norm, no hyper-connections)."""
+  del residual, alpha, norm, connections
   return x + branch.astype(x.dtype)
 
 
@@ -65,7 +66,7 @@ def test_mae_alpha_min_one_is_exactly_the_standard_residual_network(micro_mae, m
   m, params, x, noise = micro_mae
   decayed = m.apply({"params": params}, x, noise)
   with monkeypatch.context() as mp:
-    mp.setattr(Residual, "update", standard_update)
+    mp.setattr(Residual, "add", standard_add)
     standard = m.apply({"params": params}, x, noise)
   # The check can fail: with alpha_min < 1 the decayed model differs from the standard one.
   other = m.clone(residual=Residual(alpha_min=0.7)).apply({"params": params}, x, noise)
@@ -78,7 +79,7 @@ def test_sit_alpha_min_one_is_exactly_the_standard_residual_network(micro_sit, m
   m, params, args = micro_sit
   decayed = m.apply({"params": params}, *args)
   with monkeypatch.context() as mp:
-    mp.setattr(Residual, "update", standard_update)
+    mp.setattr(Residual, "add", standard_add)
     standard = m.apply({"params": params}, *args)
   other = m.clone(residual=Residual(alpha_min=0.8)).apply({"params": params}, *args)
   chex.assert_trees_all_equal(decayed, standard)
