@@ -611,3 +611,27 @@ def randomize_(model, seed, scale=0.05):
             v = v + 1.0
         p.copy_(v.to(dtype=p.dtype, device=p.device))
     return model
+
+
+def training_loss(task, model, batch):
+    """``(module, loss closure)``: the reference of the JAX ``model`` of ``task`` ('mae' or 'sit'
+    pre-training) and its loss on random inputs of ``batch`` examples, for timing a train step
+    (``decay_jax.cli.bench --torch``)."""
+    if task == "mae":
+        tm = MaskedAutoencoderViT(
+            img_size=model.img_size, patch_size=model.patch_size, in_chans=model.in_chans,
+            embed_dim=model.dim, depth=model.depth, num_heads=model.num_heads,
+            decoder_embed_dim=model.decoder_dim, decoder_depth=model.decoder_depth,
+            decoder_num_heads=model.decoder_num_heads, norm_pix_loss=model.norm_pix_loss,
+            min_decay=model.alpha_min)
+        x = torch.randn(batch, model.in_chans, model.img_size, model.img_size)
+        return tm, lambda: tm(x, model.mask_ratio, torch.rand(batch, model.num_patches))[0]
+    if task == "sit":
+        tm = SiT(input_size=model.input_size, patch_size=model.patch_size,
+                 in_channels=model.in_channels, hidden_size=model.dim, depth=model.depth,
+                 num_heads=model.num_heads, num_classes=model.num_classes,
+                 learn_sigma=model.learn_sigma, min_sigma=model.alpha_min)
+        x = torch.randn(batch, model.in_channels, model.input_size, model.input_size)
+        y = torch.randint(0, model.num_classes, (batch,))
+        return tm, lambda: ((tm(x, torch.rand(batch), y) - x) ** 2).mean()
+    raise ValueError(f"no PyTorch reference of task {task!r}")

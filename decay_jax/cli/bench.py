@@ -47,7 +47,6 @@ from decay_jax import paths
 from decay_jax import sharding as shd
 from decay_jax.cli import errors
 from decay_jax.models import flops
-from decay_jax.models import mae as mae_lib
 from decay_jax.perf import memory, tpu, trace_table
 from decay_jax.train import config as config_lib
 from decay_jax.train import profiling, tasks, writers
@@ -147,23 +146,7 @@ def torch_reference_seconds(config, model, batch: int, steps: int, profile: bool
   import torch_reference as ref
 
   torch.manual_seed(0)
-  if isinstance(model, mae_lib.MaskedAutoencoder):
-    tm = ref.MaskedAutoencoderViT(
-        img_size=model.img_size, patch_size=model.patch_size, in_chans=model.in_chans,
-        embed_dim=model.dim, depth=model.depth, num_heads=model.num_heads,
-        decoder_embed_dim=model.decoder_dim, decoder_depth=model.decoder_depth,
-        decoder_num_heads=model.decoder_num_heads, norm_pix_loss=model.norm_pix_loss,
-        min_decay=model.alpha_min)
-    x = torch.randn(batch, model.in_chans, model.img_size, model.img_size)
-    loss_fn = lambda: tm(x, model.mask_ratio, torch.rand(batch, model.num_patches))[0]
-  else:
-    tm = ref.SiT(input_size=model.input_size, patch_size=model.patch_size,
-                 in_channels=model.in_channels, hidden_size=model.dim, depth=model.depth,
-                 num_heads=model.num_heads, num_classes=model.num_classes,
-                 learn_sigma=model.learn_sigma, min_sigma=model.alpha_min)
-    x = torch.randn(batch, model.in_channels, model.input_size, model.input_size)
-    y = torch.randint(0, model.num_classes, (batch,))
-    loss_fn = lambda: ((tm(x, torch.rand(batch), y) - x) ** 2).mean()
+  tm, loss_fn = ref.training_loss(config.task, model, batch)
   tm.train()
   opt = torch.optim.AdamW([p for p in tm.parameters() if p.requires_grad], lr=1e-4)
 

@@ -40,6 +40,7 @@ from decay_jax.data import config as data_config
 from decay_jax.data import pipeline
 from decay_jax.evals import generation as gen
 from decay_jax.evals import manifold
+from decay_jax.models import inception as inception_lib
 from decay_jax.train import checkpoint
 
 
@@ -89,7 +90,7 @@ def _load_inception(directory: Optional[str]):
     raise ValueError("--inception is required to compute features of images (convert "
                      "pt_inception-2015-12-05-6726825d.pth with decay_jax.cli.convert_external)")
   model, params = checkpoint.load_params(directory, "inception")
-  gen.check_inception(model, directory)
+  inception_lib.check_loaded(model, directory)
   return model, params
 
 

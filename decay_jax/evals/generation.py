@@ -159,14 +159,6 @@ def subset(n: int, size: int, seed: int = 0) -> np.ndarray:
   return np.sort(np.random.default_rng(seed).choice(n, size, replace=False))
 
 
-def check_inception(model, directory: str, what: str = "inception"):
-  """One-line ``ValueError`` unless ``model`` (loaded from ``directory``) is the FID Inception."""
-  if not isinstance(model, inception_lib.FIDInceptionV3):
-    raise ValueError(f"{what}={directory!r} is not allowed; it holds a {type(model).__name__}, "
-                     "not the FID Inception (convert pt_inception-2015-12-05-6726825d.pth with "
-                     "decay_jax.cli.convert_external inception)")
-
-
 # ------------------------------------------------------------------------------------------------
 # Images
 # ------------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from decay_jax import paths, validate
 from decay_jax import sharding as shd
 from decay_jax.data import latents as latents_lib
 from decay_jax.evals import generation, manifold, sampling
+from decay_jax.models import inception as inception_lib
 
 SECTION = "evals.generation"
 METRICS = ("fid", "sfid", "inception_score", "precision", "recall", "density", "coverage")
@@ -128,7 +129,7 @@ class GenerationEvaluator:
     yet: the sampling program of ``task.sample`` is jitted once, at the first ``run``."""
     cfg = self.cfg
     self.inception, self.inception_params = load_params(cfg.inception, "inception")
-    generation.check_inception(self.inception, cfg.inception, f"{SECTION}.inception")
+    inception_lib.check_loaded(self.inception, cfg.inception, f"{SECTION}.inception")
     decode, self.vae_params = None, None
     if self.latent:
       vae, vae_params = sampling.load_vae(cfg.vae, self.data_cfg.dataset, self.model, load_params,

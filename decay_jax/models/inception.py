@@ -200,3 +200,11 @@ class FIDInceptionV3(nn.Module):
     pool = x.astype(jnp.float32).mean(axis=(1, 2))
     logits = nn.Dense(NUM_LOGITS, dtype=jnp.float32, name="fc")(pool)
     return {"pool": pool, "spatial": spatial, "logits": logits}
+
+
+def check_loaded(model, directory: str, what: str = "inception"):
+  """One-line ``ValueError`` unless ``model`` (loaded from ``directory``) is the FID Inception."""
+  if not isinstance(model, FIDInceptionV3):
+    raise ValueError(f"{what}={directory!r} is not allowed; it holds a {type(model).__name__}, "
+                     "not the FID Inception (convert pt_inception-2015-12-05-6726825d.pth with "
+                     "decay_jax.cli.convert_external inception)")
