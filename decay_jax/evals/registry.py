@@ -1,9 +1,9 @@
 """The evaluators by name (``config.evals.<name>``), built for one model.
 
-``build(config, model, mesh, names, rows)`` returns the enabled evaluators among ``rows`` (the
-run's task's ``evaluators``) or exactly ``names``; the trainer receives this function
-(``train.trainer.train_and_evaluate(..., evaluators=registry.build)``), passes its task's rows and
-never imports an evaluator class. Representation (MAE) evaluators:
+``build(config, model, mesh, names, task=task)`` returns the enabled evaluators among the rows the
+run's task names (its ``evaluators``) or exactly ``names``; the trainer receives this function
+(``train.trainer.train_and_evaluate(..., evaluators=registry.build)``), passes its task and never
+imports an evaluator class. Representation (MAE) evaluators:
 
   ``knn``: weighted KNN of the last block (``evals.knn``).
   ``linear``: linear probes of the last block, official and upstream-MAE protocols.

@@ -446,13 +446,8 @@ class Cost:
 def _trace_ops(module: Module):
   """``trace_table.parse_hlo``'s view of ``module`` (``{name: Op}``, ``{computation: opcodes}``),
   taken from this parse rather than a second one of the text."""
-  ops = {}
-  for ins in module.instructions.values():
-    op_name = re.search(r'op_name="([^"]*)"', ins.attrs)
-    calls = tuple(name for kind, name in _CALLS.findall(ins.attrs)
-                  if kind in ("calls", "to_apply", "body", "condition"))
-    ops[ins.name] = trace_table.Op(ins.name, ins.opcode, op_name.group(1) if op_name else "",
-                                   calls)
+  ops = {ins.name: trace_table.Op.of(ins.name, ins.opcode, ins.attrs)
+         for ins in module.instructions.values()}
   return ops, {c: [i.opcode for i in body] for c, body in module.computations.items()}
 
 

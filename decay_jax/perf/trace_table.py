@@ -58,6 +58,14 @@ class Op:
   def __init__(self, name: str, opcode: str, op_name: str, calls: Tuple[str, ...]):
     self.name, self.opcode, self.op_name, self.calls = name, opcode, op_name, calls
 
+  @classmethod
+  def of(cls, name: str, opcode: str, text: str) -> "Op":
+    """The instruction ``name`` of ``opcode`` whose operands and attributes are ``text`` (its
+    metadata's ``op_name`` and the computations it calls)."""
+    op_name = re.search(r'op_name="([^"]*)"', text)
+    calls = tuple(re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", text))
+    return cls(name, opcode, op_name.group(1) if op_name else "", calls)
+
 
 def parse_hlo(text: str) -> Tuple[Dict[str, Op], Dict[str, List[str]]]:
   """``({instruction name: Op}, {computation name: [opcodes]})`` of an HLO module's text."""
@@ -72,9 +80,7 @@ def parse_hlo(text: str) -> Tuple[Dict[str, Op], Dict[str, List[str]]]:
         current = c.group(1)
       continue
     name, opcode, rest = m.groups()
-    op_name = re.search(r'op_name="([^"]*)"', rest)
-    calls = tuple(re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", rest))
-    ops[name] = Op(name, opcode, op_name.group(1) if op_name else "", calls)
+    ops[name] = Op.of(name, opcode, rest)
     if current is not None:
       computations[current].append(opcode)
   return ops, dict(computations)

@@ -58,12 +58,11 @@ def check_config(config, pretrained_model=None, info: Optional[Dict[str, int]] =
   machine's devices; ``batch``: the global batch (default ``config.batch_size``).
   """
   config_lib.validate(config)
+  checked = config
   if batch and batch != config.batch_size:  # the task checks the batch that will be compiled
-    at_batch = config.copy_and_resolve_references()
-    at_batch.batch_size = batch
-    tasks.get(config.task).check_config(at_batch)
-  else:
-    tasks.get(config.task).check_config(config)
+    checked = config.copy_and_resolve_references()
+    checked.batch_size = batch
+  tasks.get(config.task).check_config(checked)
   info = info or pipeline.dataset_info(config.data)
   model = tasks.build_model(config, info, pretrained_model)
   mesh = mesh if mesh is not None else shd.make_mesh(config.mesh.data, config.mesh.fsdp)
